@@ -177,3 +177,20 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **over
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(8.0)
     return model.eval()
+
+
+def to_bridge(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str | None = None):
+    """A transformer-lens ``TransformerBridge`` over a copy of ``model``; ``model`` is left as it is.
+
+    Booting a bridge rewires the HF model it is given (its attention modules are replaced and
+    it is switched to eager attention), so the bridge gets a deep copy. Its hook names
+    (``blocks.{l}.attn.hook_pattern``) are the names of longprobe's :class:`probe.ActivationCache`.
+    """
+    import copy
+
+    from transformer_lens.model_bridge import TransformerBridge
+
+    name = name or model.config.name_or_path or type(model).__name__
+    return TransformerBridge.boot_transformers(
+        name, hf_model=copy.deepcopy(model), tokenizer=tokenizer, device=str(model.device)
+    )

@@ -1,0 +1,123 @@
+"""Attention rows, full attention matrices, information flow and embedding gradients.
+
+Every function here reads attention through :func:`probe.trace.trace`; none holds
+full-vocabulary logits or all layers' full attention matrices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from probe.trace import (
+    check_input_ids,
+    check_positions,
+    frozen_parameters,
+    hf_model,
+    n_layers,
+    target_loss,
+    trace,
+)
+
+
+def _layer_list(model, layers: Sequence[int] | None) -> list[int]:
+    total = n_layers(model)
+    layers = list(range(total)) if layers is None else list(layers)
+    bad = [layer for layer in layers if not -total <= layer < total]
+    if bad:
+        raise IndexError(f"layers {bad} out of range for a {total}-layer model")
+    return [layer % total for layer in layers]
+
+
+@torch.no_grad()
+def attention_rows(
+    model, input_ids: torch.Tensor | Sequence[int], rows: Sequence[int], layers: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Attention of query ``rows`` over all keys: Tensor[layers, heads, len(rows), seq].
+
+    One forward pass with the fused kernel; only the requested rows are recomputed.
+    GQA models report one pattern per query head.
+    """
+    ids = check_input_ids(model, input_ids)
+    rows = check_positions(rows, ids.shape[1], "rows")
+    layers = _layer_list(model, layers)
+    with frozen_parameters(hf_model(model)), trace(model, rows=rows, layers=layers) as cache:
+        hf_model(model)(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return cache.stack("pattern", layers)
+
+
+@torch.no_grad()
+def attention_matrices(
+    model,
+    input_ids: torch.Tensor | Sequence[int],
+    layers: Sequence[int] | None = None,
+    block_size: int = 256,
+    on_layer: Callable[[int, torch.Tensor], None] | None = None,
+) -> torch.Tensor | None:
+    """Full attention matrices, computed in row blocks: Tensor[layers, heads, seq, seq].
+
+    Meant for short sequences and for streamed consumers: with ``on_layer`` each layer's
+    Tensor[heads, seq, seq] is handed over as soon as it is computed and nothing is stored
+    (returns ``None``), so e.g. a product over layers needs memory for one layer at a time.
+    """
+    ids = check_input_ids(model, input_ids)
+    layers = _layer_list(model, layers)
+    stream = None if on_layer is None else (lambda layer, pattern: on_layer(layer, pattern[0]))
+    with (
+        frozen_parameters(hf_model(model)),
+        trace(model, layers=layers, block_size=block_size, on_pattern=stream) as cache,
+    ):
+        hf_model(model)(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return None if on_layer is not None else cache.stack("pattern", layers)
+
+
+def information_flow(
+    model,
+    input_ids: torch.Tensor | Sequence[int],
+    target_positions: Sequence[int],
+    layers: Sequence[int] | None = None,
+    reduce: str = "sum_then_abs",
+) -> torch.Tensor:
+    """Information flow from each context token to the targets: Tensor[layers, seq].
+
+    The IG score of CDT (seed 002, eq. 1) / the saliency of Wang et al. (2023):
+    L = mean cross-entropy of the tokens at ``target_positions``, each predicted from row t − 1.
+    Per layer l and key token i, summed over those rows r:
+
+    - ``"sum_then_abs"``: Σ_r |Σ_h A_h[r, i] · ∂L/∂A_h[r, i]|  (heads combined before the abs,
+      as the reference code does)
+    - ``"abs_then_sum"``: Σ_r Σ_h |A_h[r, i] · ∂L/∂A_h[r, i]|  (the formula as printed in the seed)
+    """
+    if reduce not in ("sum_then_abs", "abs_then_sum"):
+        raise ValueError(f"reduce must be 'sum_then_abs' or 'abs_then_sum', got {reduce!r}")
+    ids = check_input_ids(model, input_ids)
+    targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
+    layers = _layer_list(model, layers)
+    with (
+        frozen_parameters(hf_model(model)),
+        torch.enable_grad(),
+        trace(model, rows=targets - 1, layers=layers, grad=True) as cache,
+    ):
+        target_loss(model, ids, targets).backward()
+    saliency = cache.stack("pattern", layers) * cache.stack("pattern_grad", layers)  # [L, H, R, S]
+    if reduce == "sum_then_abs":
+        return saliency.sum(dim=1).abs().sum(dim=1)
+    return saliency.abs().sum(dim=(1, 2))
+
+
+def embedding_grad_norms(
+    model, input_ids: torch.Tensor | Sequence[int], target_positions: Sequence[int], p: float = 2
+) -> torch.Tensor:
+    """‖∂L/∂e_i‖_p for each input embedding e_i: Tensor[seq] (CDT §4.1, the cheap IG proxy).
+
+    Same loss as :func:`information_flow`; parameters are frozen, so only the gradient with
+    respect to the input embeddings is computed.
+    """
+    ids = check_input_ids(model, input_ids)
+    targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
+    inner = hf_model(model)
+    with frozen_parameters(inner), torch.enable_grad():
+        embeds = inner.get_input_embeddings()(ids).detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(target_loss(model, ids, targets, inputs_embeds=embeds), embeds)
+    return grad[0].norm(p=p, dim=-1)

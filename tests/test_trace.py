@@ -1,0 +1,197 @@
+"""The capture core and its probes against eager-attention references (fp32, max abs diff ≤ 1e-5)."""
+
+import pytest
+import torch
+from reference import eager_forward, embedding_grad_reference, information_flow_reference
+
+import probe
+from probe.trace import UnsupportedModelError
+
+ATOL = 1e-5
+SEQ = 24  # longer than the tiny Gemma's sliding window (6), so sliding masks matter
+
+
+def random_ids(model, seq=SEQ, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (1, seq), generator=generator)
+
+
+def test_attention_rows_match_eager(tiny):
+    ids = random_ids(tiny)
+    rows = [0, 3, 11, SEQ - 1]
+    attentions, _ = eager_forward(tiny, ids)
+    expected = torch.stack([a[0][:, rows] for a in attentions])
+    got = probe.attention_rows(tiny, ids, rows)
+    assert got.shape == (tiny.config.num_hidden_layers, tiny.config.num_attention_heads, len(rows), SEQ)
+    assert (got - expected).abs().max() <= ATOL
+    assert torch.allclose(got.sum(-1), torch.ones(()), atol=ATOL)
+
+
+def test_sliding_window_rows_see_only_the_window():
+    model = probe.tiny_model("gemma3")
+    rows = probe.attention_rows(model, random_ids(model), [SEQ - 1], layers=[0, 1])
+    window = model.config.sliding_window
+    assert (rows[0, ..., : SEQ - window] == 0).all()  # layer 0 slides
+    assert (rows[1, ..., : SEQ - window] > 0).all()  # layer 1 is global
+
+
+def test_attention_matrices_in_blocks_match_eager(tiny):
+    ids = random_ids(tiny)
+    attentions, _ = eager_forward(tiny, ids)
+    expected = torch.stack([a[0] for a in attentions])
+    got = probe.attention_matrices(tiny, ids, block_size=5)  # 24 rows: uneven blocks
+    assert (got - expected).abs().max() <= ATOL
+
+    streamed = {}
+    assert probe.attention_matrices(tiny, ids, layers=[1, -1], on_layer=streamed.__setitem__) is None
+    assert sorted(streamed) == [1, tiny.config.num_hidden_layers - 1]
+    assert (streamed[1] - expected[1]).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("reduce", ["sum_then_abs", "abs_then_sum"])
+def test_information_flow_matches_retain_grad(tiny, reduce):
+    ids = random_ids(tiny)
+    targets = torch.tensor([5, 17, SEQ - 1])
+    expected = information_flow_reference(tiny, ids, targets, reduce)
+    got = probe.information_flow(tiny, ids, targets, reduce=reduce)
+    assert got.shape == (tiny.config.num_hidden_layers, SEQ)
+    assert expected.abs().max() > 1e-3  # the comparison is not between zeros
+    assert (got - expected).abs().max() <= ATOL
+    subset = probe.information_flow(tiny, ids, targets, layers=[-1, 0], reduce=reduce)
+    assert (subset - expected[[-1, 0]]).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("p", [2, 1])
+def test_embedding_grad_norms_match_retain_grad(tiny, p):
+    ids = random_ids(tiny)
+    targets = torch.tensor([9, SEQ - 1])
+    expected = embedding_grad_reference(tiny, ids, targets, p)
+    got = probe.embedding_grad_norms(tiny, ids, targets, p=p)
+    assert got.shape == (SEQ,)
+    assert (got - expected).abs().max() <= ATOL
+    assert got[targets.max() :].eq(0).all()  # tokens after the last predicting row cannot matter
+
+
+def test_probes_leave_the_model_as_they_found_it(tiny):
+    tiny.train()
+    tiny.model.layers[0].mlp.requires_grad_(False)
+    flags = [p.requires_grad for p in tiny.parameters()]
+    probe.information_flow(tiny, random_ids(tiny), [4])
+    probe.embedding_grad_norms(tiny, random_ids(tiny), [4])
+    assert tiny.training
+    assert [p.requires_grad for p in tiny.parameters()] == flags
+    assert all(p.grad is None for p in tiny.parameters())  # frozen: no parameter gradients
+    assert tiny.config._attn_implementation == "sdpa"
+
+
+def test_trace_restores_after_an_exception(tiny):
+    with pytest.raises(RuntimeError, match="boom"), probe.trace(tiny, rows=[1]):
+        assert tiny.config._attn_implementation == "longprobe"
+        raise RuntimeError("boom")
+    assert tiny.config._attn_implementation == "sdpa"
+
+
+def test_trace_captures_the_decoding_row_under_a_kv_cache(tiny):
+    ids = random_ids(tiny)
+    with torch.no_grad():
+        past = tiny(input_ids=ids[:, :-1], use_cache=True).past_key_values
+        with probe.trace(tiny, rows=[0]) as cache:
+            tiny(input_ids=ids[:, -1:], past_key_values=past, use_cache=True)
+    attentions, _ = eager_forward(tiny, ids)
+    for layer, attention in enumerate(attentions):
+        got = cache["pattern", layer][0, :, 0]
+        expected = attention[0, :, -1, -got.shape[-1] :]  # a sliding cache keeps only the window
+        assert (got - expected).abs().max() <= ATOL
+
+
+def test_cache_uses_transformerlens_names(tiny):
+    with torch.no_grad(), probe.trace(tiny, rows=[2, 3], layers=[0, -1]) as cache:
+        tiny(input_ids=random_ids(tiny), use_cache=False)
+    last = tiny.config.num_hidden_layers - 1
+    assert set(cache) == {"blocks.0.attn.hook_pattern", f"blocks.{last}.attn.hook_pattern"}
+    assert cache["pattern", -1] is cache[f"blocks.{last}.attn.hook_pattern"]
+    assert cache.stack("pattern", [0, last]).shape[:3] == (2, tiny.config.num_attention_heads, 2)
+
+
+def test_bridge_hook_pattern_equals_our_cache(smollm2):
+    model = probe.tiny_model("llama", vocab_size=smollm2[1].vocab_size)
+    bridge = probe.to_bridge(model, smollm2[1], name="tiny-llama")
+    ids = random_ids(model)
+    _, bridge_cache = bridge.run_with_cache(ids, names_filter=lambda name: name.endswith("attn.hook_pattern"))
+    ours = probe.attention_matrices(model, ids)
+    for layer in range(model.config.num_hidden_layers):
+        name = f"blocks.{layer}.attn.hook_pattern"
+        assert (bridge_cache[name][0] - ours[layer]).abs().max() <= ATOL
+    assert model.config._attn_implementation == "sdpa"  # the copy was rewired, not the model
+    with pytest.raises(UnsupportedModelError, match="to_bridge"):
+        probe.attention_rows(bridge, ids, [1])
+
+
+# --- clear failures -------------------------------------------------------------------------
+
+
+def test_sequence_longer_than_context_is_refused(tiny):
+    ids = random_ids(tiny, seq=tiny.config.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        probe.attention_rows(tiny, ids, [0])
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda m, ids: probe.attention_rows(m, ids, [SEQ]), IndexError, "out of range"),
+        (lambda m, ids: probe.attention_rows(m, ids, [-1]), IndexError, "out of range"),
+        (lambda m, ids: probe.attention_rows(m, ids, []), ValueError, "empty"),
+        (lambda m, ids: probe.attention_rows(m, ids, [1], layers=[99]), IndexError, "layers"),
+        (lambda m, ids: probe.information_flow(m, ids, [0]), IndexError, "no preceding row"),
+        (lambda m, ids: probe.information_flow(m, ids, [3], reduce="max"), ValueError, "reduce"),
+        (lambda m, ids: probe.embedding_grad_norms(m, ids, [SEQ + 4]), IndexError, "out of range"),
+        (lambda m, ids: probe.embedding_grad_norms(m, ids, [3, 3]), ValueError, "repeated"),
+    ],
+)
+def test_bad_positions_are_refused(call, error, message):
+    model = probe.tiny_model("llama")
+    with pytest.raises(error, match=message):
+        call(model, random_ids(model))
+
+
+def test_non_hf_model_is_refused():
+    with pytest.raises(UnsupportedModelError, match="PreTrainedModel"):
+        probe.attention_rows(torch.nn.Linear(2, 2), [1, 2, 3], [0])
+
+
+def test_attention_outside_the_interface_is_detected(monkeypatch):
+    model = probe.tiny_model("llama")
+    monkeypatch.setattr(type(model), "_can_set_attn_implementation", lambda self: False)
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
+        probe.attention_rows(model, random_ids(model), [1])
+
+
+def test_attention_that_never_reaches_the_function_is_detected():
+    model = probe.tiny_model("llama")
+    for layer in model.model.layers:  # an attention that computes its output by other means
+        layer.self_attn.forward = lambda hidden_states, **kwargs: (torch.zeros_like(hidden_states), None)
+    with pytest.raises(UnsupportedModelError, match="reached"):
+        probe.attention_rows(model, random_ids(model), [1])
+
+
+# --- the real model -------------------------------------------------------------------------
+
+
+@pytest.mark.real
+def test_real_smollm2_matches_eager_at_256_tokens(smollm2):
+    model, tokenizer = smollm2
+    text = "The pass key is 71432. Remember it. " + "The grass is green. The sky is blue. " * 30
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :256]
+    targets = torch.tensor([6, 7, 8, 255])
+    layers = [0, 17, 18, 29]
+    attentions, _ = eager_forward(model, ids)
+    rows = probe.attention_rows(model, ids, targets - 1, layers=layers)
+    expected_rows = torch.stack([attentions[layer][0][:, targets - 1] for layer in layers])
+    assert (rows - expected_rows).abs().max() <= ATOL
+    del attentions
+
+    expected_flow = information_flow_reference(model, ids, targets)
+    assert (probe.information_flow(model, ids, targets) - expected_flow).abs().max() <= ATOL
+    expected_grad = embedding_grad_reference(model, ids, targets)
+    assert (probe.embedding_grad_norms(model, ids, targets) - expected_grad).abs().max() <= ATOL
