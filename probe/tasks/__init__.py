@@ -1,0 +1,68 @@
+"""Synthetic long-context tasks with exact token-level ground truth.
+
+``make(task, tokenizer, length, seed, depth, **options)`` builds one :class:`Sample` for a tokenizer:
+the prompt (chat template applied when the tokenizer has one, else a completion prompt ending in
+``Answer: <answer prefix>``) followed by the gold answer, with token spans per category
+(``supporting``, ``interference``, ``noise``, ``low_frequency``, ``question``, ``answer``).
+``names()`` lists the text tasks. The vector-valued in-context classification task of the
+position-bias study lives in :mod:`probe.tasks.classification`.
+
+Common options: ``chat`` (force the chat template on/off). Task options: ``digits`` (passkey),
+``distractors`` (niah), ``needles`` (multivalue-niah), ``lines`` (lines: ``n`` lines in essay noise
+instead of a full record), ``emojis`` (multihop-*).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from probe.tasks.haystack import Depth
+from probe.tasks.kv import kv
+from probe.tasks.lines import lines
+from probe.tasks.needle import multivalue_niah, niah, passkey
+from probe.tasks.sample import CATEGORIES, Prompt, Sample, Unit
+from probe.tasks.story import story
+
+TASKS: dict[str, Callable[..., Sample]] = {
+    **{f"multihop-{hops}": functools.partial(story, hops=hops) for hops in (1, 2, 3, 4)},
+    "lines": lines,
+    "passkey": passkey,
+    "niah": niah,
+    "multivalue-niah": multivalue_niah,
+    "kv": kv,
+}
+
+
+def names() -> list[str]:
+    """Names of the text tasks ``make`` builds."""
+    return list(TASKS)
+
+
+def make(
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    length: int,
+    seed: int = 0,
+    depth: Depth = None,
+    **options,
+) -> Sample:
+    """One sample of ``task`` with a prompt of ``length`` tokens (± a few percent) for ``tokenizer``.
+
+    ``depth`` places the supporting items: a number in [0, 1] (fraction of the filler text before
+    them; all supporting facts at that depth, in order), one number per supporting item, or ``None``
+    (uniform random, sorted). Deterministic in ``seed``. See the module docstring for ``options``.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    if not isinstance(length, int | np.integer) or length <= 0:
+        raise ValueError(f"length must be a positive number of tokens, got {length!r}")
+    depth = depth if depth is None or np.isscalar(depth) else tuple(depth)
+    settings = dict(task=task, length=int(length), seed=seed, depth=depth, options=options)
+    return TASKS[task](tokenizer, settings, np.random.default_rng(seed), **options)
+
+
+__all__ = ["CATEGORIES", "Prompt", "Sample", "TASKS", "Unit", "make", "names"]

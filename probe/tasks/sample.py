@@ -1,0 +1,215 @@
+"""The sample format shared by all text tasks, and the rendering that records exact token spans.
+
+A task describes its prompt as a :class:`Prompt` (instruction, question, answer) plus the context
+body as a list of :class:`Unit` s (noise sentences, facts, needles, emoji ...). :func:`render`
+joins them into one string, records the character range of every unit that has a category while
+it concatenates, applies the chat template when the tokenizer has one (the offsets shift by the
+template's own prefix, found by rendering the template around a sentinel), tokenizes once with
+``return_offsets_mapping=True`` and maps each character range to the tokens that overlap it.
+There is no fuzzy matching: a token that straddles a span boundary (other than a merged leading
+space) raises, so a span can never silently include a neighbour's text.
+
+The gold answer is always appended after the prompt (teacher forcing): ``input_ids`` is prompt +
+answer and ``spans["answer"]`` points at the answer tokens; ``prompt_ids`` / ``prompt_text`` are the
+prompt alone, for generation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "question", "answer")
+
+_SENTINEL = "\ue000LONGPROBE_CONTENT\ue000"  # private-use characters: never part of a template
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of the context body: its text and span category (``None``: untracked text)."""
+
+    text: str
+    category: str | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The fixed parts of a task's prompt.
+
+    The user message is ``instruction \\n\\n context_open + body + context_close \\n\\n Question: question``.
+    The reply starts with ``answer_prefix`` (prefilled in the assistant turn for chat models, after
+    ``Answer:`` for completion models), then ``answer_separator + answer``. ``answer_pattern`` is a
+    regex matching every candidate answer of the task; ``Sample.score`` takes its first match.
+    """
+
+    instruction: str
+    question: str
+    answer: str
+    answer_prefix: str
+    answer_pattern: str
+    context_open: str = ""
+    context_close: str = ""
+    separator: str = " "  # between body units
+    answer_separator: str = " "
+
+
+@dataclass
+class Sample:
+    """One task instance for one tokenizer.
+
+    ``input_ids``: LongTensor [seq] = prompt tokens + gold answer tokens (teacher forcing).
+    ``spans``: category -> list of (start, end) token indices into ``input_ids`` (end exclusive), one
+    entry per fact / needle / line / emoji / noise sentence, in text order. ``char_spans``: the same
+    ranges in characters of ``text``. ``prompt_length``: number of prompt tokens (the answer starts
+    there). ``length``, ``seed``, ``depth`` and ``options`` are the settings that built it.
+    """
+
+    task: str
+    length: int
+    seed: int
+    depth: Any
+    options: dict[str, Any]
+    text: str
+    input_ids: torch.Tensor
+    answer: str
+    answer_pattern: str
+    prompt_length: int
+    spans: dict[str, list[tuple[int, int]]]
+    char_spans: dict[str, list[tuple[int, int]]] = field(repr=False)
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        """LongTensor [prompt_length]: the prompt alone, ending right before the answer (for generation)."""
+        return self.input_ids[: self.prompt_length]
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt alone as text (special tokens written out as in the template)."""
+        return self.text[: self.char_spans["answer"][0][0]]
+
+    def span_text(self, category: str) -> list[str]:
+        """The recorded text of each span of ``category`` (what each token span stands for)."""
+        return [self.text[start:end] for start, end in self.char_spans[category]]
+
+    def score(self, generated_text: str) -> float:
+        """1.0 if the first candidate answer in ``generated_text`` is the gold answer, else 0.0.
+
+        Candidates are the matches of the task's ``answer_pattern`` (any number, any UUID, any place
+        of the story vocabulary ...), case-insensitive, so hedging with several candidates counts
+        as the first one named.
+        """
+        found = re.search(self.answer_pattern, generated_text, flags=re.IGNORECASE)
+        return float(found is not None and found.group(0).lower() == self.answer.lower())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-Python form (lists, not tensors) for JSON / pandas."""
+        record = asdict(self) | {"input_ids": self.input_ids.tolist()}
+        for key in ("spans", "char_spans"):
+            record[key] = {cat: [list(s) for s in spans] for cat, spans in record[key].items()}
+        return record
+
+
+def uses_chat(tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> bool:
+    """Whether prompts go through the chat template (default: when the tokenizer has one)."""
+    return tokenizer.chat_template is not None if chat is None else chat
+
+
+def chat_wrapper(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
+    """(prefix, suffix) the chat template puts around one user message, generation prompt included."""
+    render = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True
+    )
+    if render.count(_SENTINEL) != 1:
+        raise ValueError("the chat template does not reproduce the user message verbatim")
+    prefix, suffix = render.split(_SENTINEL)
+    return prefix, suffix
+
+
+class _TextBuilder:
+    """Concatenates strings and records the character range of each categorized piece."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.position = 0
+        self.char_spans: dict[str, list[tuple[int, int]]] = {cat: [] for cat in CATEGORIES}
+
+    def add(self, text: str, category: str | None = None) -> None:
+        if category is not None:
+            self.char_spans[category].append((self.position, self.position + len(text)))
+        self.parts.append(text)
+        self.position += len(text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt,
+    body: list[Unit],
+    settings: dict[str, Any],
+    chat: bool | None = None,
+) -> Sample:
+    """Build the sample text from ``prompt`` and ``body``, tokenize it and map every span to tokens.
+
+    ``settings`` holds ``task, length, seed, depth, options`` and is stored on the sample.
+    """
+    if not tokenizer.is_fast:
+        raise TypeError(
+            f"{type(tokenizer).__name__} is a slow tokenizer without offset mapping; exact spans need a "
+            "fast tokenizer (AutoTokenizer.from_pretrained(..., use_fast=True))"
+        )
+    with_chat = uses_chat(tokenizer, chat)
+    prefix, suffix = chat_wrapper(tokenizer) if with_chat else ("", "\nAnswer: ")
+    built = _TextBuilder()
+    built.add(prefix + prompt.instruction + "\n\n" + prompt.context_open)
+    for i, unit in enumerate(body):
+        built.add(prompt.separator if i else "")
+        built.add(unit.text, unit.category)
+    built.add(prompt.context_close + "\n\nQuestion: ")
+    built.add(prompt.question, "question")
+    built.add(suffix + prompt.answer_prefix)
+    built.add(prompt.answer_separator + prompt.answer, "answer")
+    text = built.text
+
+    encoding = tokenizer(text, add_special_tokens=not with_chat, return_offsets_mapping=True)
+    offsets = np.asarray(encoding["offset_mapping"]).reshape(-1, 2)
+    spans = {cat: [_token_span(text, offsets, s) for s in built.char_spans[cat]] for cat in CATEGORIES}
+    return Sample(
+        **settings,
+        text=text,
+        input_ids=torch.tensor(encoding["input_ids"], dtype=torch.long),
+        answer=prompt.answer,
+        answer_pattern=prompt.answer_pattern,
+        prompt_length=spans["answer"][0][0],
+        spans=spans,
+        char_spans=built.char_spans,
+    )
+
+
+def _token_span(text: str, offsets: np.ndarray, char_span: tuple[int, int]) -> tuple[int, int]:
+    """Tokens whose characters overlap ``char_span``; raises if one straddles its boundary.
+
+    A token may start one character early only by a merged leading whitespace (" Mary").
+    """
+    char_start, char_end = char_span
+    overlaps = np.flatnonzero((offsets[:, 0] < char_end) & (offsets[:, 1] > char_start))
+    if len(overlaps) == 0:
+        raise ValueError(f"no token covers characters {char_span}")
+    start, end = int(overlaps[0]), int(overlaps[-1]) + 1
+    first_char, last_char = offsets[start, 0], offsets[end - 1, 1]
+    leading_ok = first_char == char_start or (
+        first_char == char_start - 1 and text[first_char].isspace()
+    )
+    if not leading_ok or last_char != char_end:
+        raise ValueError(
+            f"token boundaries do not align with span {text[char_start:char_end]!r} "
+            f"(tokens cover {text[first_char:last_char]!r}); change the separators around it"
+        )
+    return start, end
