@@ -117,7 +117,9 @@ def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Ten
     return ids.to(hf_model(model).device)
 
 
-def check_positions(positions: Sequence[int] | torch.Tensor, seq: int, what: str, minimum: int = 0) -> torch.Tensor:
+def check_positions(
+    positions: Sequence[int] | torch.Tensor, seq: int, what: str, minimum: int = 0
+) -> torch.Tensor:
     """Positions as a sorted-as-given LongTensor[k], each in ``[minimum, seq)``, no repeats."""
     pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
     if pos.numel() == 0:
@@ -125,7 +127,9 @@ def check_positions(positions: Sequence[int] | torch.Tensor, seq: int, what: str
     bad = pos[(pos < minimum) | (pos >= seq)]
     if bad.numel():
         hint = " (position 0 has no preceding row to predict it)" if minimum == 1 and (bad == 0).any() else ""
-        raise IndexError(f"{what} {bad.tolist()} out of range [{minimum}, {seq}) for a {seq}-token input{hint}")
+        raise IndexError(
+            f"{what} {bad.tolist()} out of range [{minimum}, {seq}) for a {seq}-token input{hint}"
+        )
     if pos.unique().numel() != pos.numel():
         raise ValueError(f"{what} contains repeated positions: {pos.tolist()}")
     return pos
@@ -318,7 +322,9 @@ def trace(
         )
 
 
-def target_loss(model, input_ids: torch.Tensor, target_positions: torch.Tensor, **forward_kwargs) -> torch.Tensor:
+def target_loss(
+    model, input_ids: torch.Tensor, target_positions: torch.Tensor, **forward_kwargs
+) -> torch.Tensor:
     """Mean cross-entropy of the tokens at ``target_positions``, predicted from rows ``t − 1``.
 
     Only the needed rows are projected to the vocabulary (``logits_to_keep``), never the

