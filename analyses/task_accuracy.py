@@ -1,0 +1,148 @@
+"""Greedy accuracy of the real models on every text task of ``probe.tasks``, by prompt length.
+
+Each sample is answered with ``model.generate`` (greedy, at most the gold answer's token count + 4
+new tokens) from ``sample.prompt_ids`` — the prompt already ends with the task's answer prefix
+("The pass key is") — and scored with ``sample.score``. Depth is random per sample (``depth=None``).
+
+    python -m analyses.task_accuracy                       # both models, all tasks, 512/1K/2K, 20 samples
+    python -m analyses.task_accuracy --quick               # 2 samples at 512 tokens
+    python -m analyses.task_accuracy --models gemma3-270m --tasks passkey kv --lengths 4096
+
+Writes ``task_accuracy.csv`` (one row per sample: settings, gold answer, generated text, correct),
+``task_accuracy.png`` (accuracy heatmap, task x length, one panel per model) and
+``task_accuracy.md`` (the accuracy table for the README). ``--resume`` keeps the samples already
+in the CSV and runs only the missing ones; the CSV is rewritten after every (model, task, length).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+import torch
+from tqdm.auto import tqdm
+
+import probe
+from analyses.output import atomic_write, save_figure
+from probe import tasks
+
+NAME = "task_accuracy"
+KEYS = ["model", "task", "length", "seed"]
+
+
+def answer(model, tokenizer, sample: tasks.Sample) -> str:
+    """The model's greedy continuation of ``sample``'s prompt, decoded."""
+    (start, end), *_ = sample.spans["answer"]
+    prompt = sample.prompt_ids[None]
+    with torch.inference_mode():
+        generated = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=end - start + 4,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        )
+    return tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True)
+
+
+def evaluate(model, tokenizer, model_name: str, task: str, length: int, seed: int) -> dict:
+    """One sample's row: settings, prompt tokens, gold answer, generated text, correct (0/1)."""
+    sample = tasks.make(task, tokenizer, length, seed=seed)
+    generated = answer(model, tokenizer, sample)
+    return dict(
+        model=model_name,
+        task=task,
+        length=length,
+        seed=seed,
+        prompt_tokens=len(sample.prompt_ids),
+        answer=sample.answer,
+        generated=generated.strip(),
+        correct=sample.score(generated),
+    )
+
+
+def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
+    """Mean accuracy, rows = task (in ``tasks.names()`` order), columns = (model, length)."""
+    table = results.pivot_table(index="task", columns=["model", "length"], values="correct", aggfunc="mean")
+    return table.reindex([t for t in tasks.names() if t in table.index])
+
+
+def markdown(results: pd.DataFrame) -> str:
+    """The accuracy table as GitHub markdown, with the number of samples per cell."""
+    table = accuracy_table(results)
+    counts = results.groupby(["model", "length"])["seed"].nunique()
+    header = ["task"] + [f"{model} @ {length}" for model, length in table.columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for task, row in table.iterrows():
+        lines.append("| " + " | ".join([task] + [f"{value:.2f}" for value in row]) + " |")
+    n = counts.min() if counts.min() == counts.max() else f"{counts.min()}-{counts.max()}"
+    return "\n".join(lines) + f"\n\nGreedy accuracy, {n} samples per cell, random depth.\n"
+
+
+def plot(results: pd.DataFrame) -> plt.Figure:
+    """Accuracy heatmaps (task x prompt length), one panel per model."""
+    table = accuracy_table(results)
+    models = table.columns.get_level_values("model").unique()
+    fig, axes = plt.subplots(1, len(models), figsize=(2.2 + 1.3 * table.shape[1], 0.5 * len(table) + 1.5))
+    for ax, model in zip([axes] if len(models) == 1 else axes, models, strict=True):
+        sns.heatmap(
+            table[model], ax=ax, vmin=0, vmax=1, annot=True, fmt=".2f", cmap="viridis", cbar=ax is not axes
+        )
+        ax.set(title=model, xlabel="prompt length (tokens)", ylabel="")
+    fig.suptitle("Greedy accuracy on synthetic long-context tasks")
+    fig.tight_layout()
+    return fig
+
+
+def write(results: pd.DataFrame, out: Path) -> None:
+    """CSV + PNG + markdown table, each written atomically."""
+    results = results.sort_values(KEYS).reset_index(drop=True)
+    save_figure(plot(results), results, out, NAME)
+    atomic_write(out / f"{NAME}.md", lambda tmp: tmp.write_text(markdown(results)))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    parser.add_argument("--tasks", nargs="+", default=tasks.names(), choices=tasks.names())
+    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048])
+    parser.add_argument("--samples", type=int, default=20, help="samples (seeds 0..n-1) per cell")
+    parser.add_argument("--out", type=Path, default=Path("figures"))
+    parser.add_argument("--quick", action="store_true", help="2 samples at 512 tokens")
+    parser.add_argument("--resume", action="store_true", help="keep samples already in the CSV")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.samples, args.lengths = 2, [512]
+    return args
+
+
+def main(argv: list[str] | None = None, models: dict | None = None) -> pd.DataFrame:
+    """Run the table; ``models`` maps names to already-loaded ``(model, tokenizer)`` pairs (tests)."""
+    args = parse_args(argv)
+    csv = args.out / f"{NAME}.csv"
+    done = pd.read_csv(csv) if args.resume and csv.exists() else pd.DataFrame(columns=KEYS)
+    finished = set(done[KEYS].itertuples(index=False, name=None))
+    rows = []
+    names = list(models) if models else args.models
+    progress = tqdm(total=len(names) * len(args.tasks) * len(args.lengths) * args.samples, desc=NAME)
+    for name in names:
+        model, tokenizer = models[name] if models else probe.load_model(name)
+        for task in args.tasks:
+            for length in args.lengths:
+                progress.set_postfix(model=name, task=task, length=length)
+                for seed in range(args.samples):
+                    if (name, task, length, seed) not in finished:
+                        rows.append(evaluate(model, tokenizer, name, task, length, seed))
+                    progress.update()
+                atomic_write(csv, lambda tmp: pd.concat([done, pd.DataFrame(rows)]).to_csv(tmp, index=False))
+    progress.close()
+    results = pd.concat([done, pd.DataFrame(rows)]).astype({"length": int, "seed": int, "correct": float})
+    write(results, args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
