@@ -1,0 +1,180 @@
+"""The controlled study of Wu et al. (ICML 2025, §5 and App. J): attention-only networks on in-context
+classification (:mod:`probe.tasks.classification`).
+
+:class:`AttentionOnly` is the paper's SAN: ``layers`` single-head attention layers of width ``dim``
+(``W_Q, W_K, W_V``, no ``W_O``, no LayerNorm, no MLP between layers), an optional residual
+``X ← X + A X W_V`` (else ``X ← A X W_V``), and an MLP readout (3 × [Linear + ReLU], then a linear map
+to the labels) on the last (query) token. The attention graph is a mask (``full``, ``causal``,
+``decay`` with ``A_ij ∝ γ^{i−j} e^{q·k}``, ``window``, ``prefix``); positions enter as ``none``,
+``sin`` (sinusoids added to the input once) or ``rope`` (interleaved pairs, base 10000, all dims).
+
+:func:`train` uses the paper's optimiser (AdamW, lr 1e-3, weight decay 1e-6, batch 128);
+:func:`accuracy_gaps` measures the bias metric ``acc[a, b] − acc[b, a]`` on novel classes for the
+first / middle / last items (item ``pairs // 2`` is the middle, as in the reference code).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from probe.graph import causal_mask
+from probe.tasks.classification import Batch, InContextClassification
+
+MASKS = ("full", "causal", "decay", "window", "prefix")
+ENCODINGS = ("none", "sin", "rope")
+
+
+@dataclass(frozen=True)
+class SANConfig:
+    """One attention-only network; defaults are the paper's (d = 64, 32 labels, decay γ = 0.8)."""
+
+    layers: int = 2
+    mask: str = "causal"
+    pe: str = "none"
+    residual: bool = False
+    dim: int = 64
+    labels: int = 32
+    gamma: float = 0.8
+    window: int = 5
+    prefix: int = 2
+
+    def __post_init__(self) -> None:
+        if self.mask not in MASKS:
+            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.pe not in ENCODINGS:
+            raise ValueError(f"pe must be one of {ENCODINGS}, got {self.pe!r}")
+        if self.layers < 1:
+            raise ValueError(f"layers must be at least 1, got {self.layers}")
+
+
+def log_mask(config: SANConfig, seq: int) -> torch.Tensor:
+    """Additive mask [seq, seq]: log of the 0/1 graph, plus ``(i − j) log γ`` on its edges for ``decay``."""
+    if config.mask == "full":
+        allowed = torch.ones(seq, seq, dtype=torch.bool)
+    else:
+        allowed = causal_mask(
+            seq,
+            window=config.window if config.mask == "window" else None,
+            prefix=config.prefix if config.mask == "prefix" else 0,
+        )
+    distance = (torch.arange(seq)[:, None] - torch.arange(seq)[None]).float()
+    scores = distance * math.log(config.gamma) if config.mask == "decay" else torch.zeros(seq, seq)
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def sinusoids(seq: int, dim: int) -> torch.Tensor:
+    """Vaswani et al. positional encodings [seq, dim]: sin on even, cos on odd dimensions."""
+    angles = torch.arange(seq)[:, None] / 10000 ** (torch.arange(0, dim, 2) / dim)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [..., seq, dim]: interleaved pairs (2p, 2p+1) turned by ``pos · 10000^{−2p/dim}``."""
+    seq, dim = x.shape[-2:]
+    angles = torch.arange(seq)[:, None] / 10000 ** (torch.arange(0, dim, 2) / dim)
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+
+class AttentionOnly(nn.Module):
+    """Wu et al.'s SAN: x [batch, seq, dim] → (logits [batch, labels], A [batch, layers, seq, seq])."""
+
+    def __init__(self, config: SANConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.dim
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim, bias=False) for _ in range(config.layers))
+        self.readout = nn.Sequential(
+            *(module for _ in range(3) for module in (nn.Linear(dim, dim), nn.ReLU())),
+            nn.Linear(dim, config.labels),
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq, dim = x.shape[-2:]
+        mask = log_mask(self.config, seq)
+        if self.config.pe == "sin":
+            x = x + sinusoids(seq, dim)
+        patterns = []
+        for qkv in self.qkv:
+            q, k, v = qkv(x).chunk(3, dim=-1)
+            if self.config.pe == "rope":
+                q, k = rotate(q), rotate(k)
+            attention = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(dim) + mask, dim=-1)
+            update = attention @ v
+            x = x + update if self.config.residual else update
+            patterns.append(attention)
+        return self.readout(x[:, -1]), torch.stack(patterns, dim=1)
+
+
+def train(
+    model: AttentionOnly,
+    task: InContextClassification,
+    steps: int,
+    answer_positions: Sequence[int] | None = None,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    weight_decay: float = 1e-6,
+    data: Batch | None = None,
+    progress: bool = False,
+) -> list[float]:
+    """Train with cross-entropy on the query's label; data biased to ``answer_positions`` if given.
+
+    ``data``: a pre-drawn training set (e.g. ``task.batch(50_000)``) cycled through in mini-batches
+    instead of fresh sequences every step, as the paper does; drawing once is much faster on CPU and
+    lets several models share one set. Returns the loss of every step.
+    """
+    if data is not None and answer_positions is not None:
+        raise ValueError("answer_positions is fixed when data is drawn; give one or the other")
+    optimiser = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    model.train()
+    losses = []
+    for step in tqdm(range(steps), disable=not progress, desc="train", leave=False):
+        if data is None:
+            inputs, targets = (batch := task.batch(batch_size, answer_positions)).inputs, batch.targets
+        else:
+            start = step * batch_size % (len(data.targets) - batch_size + 1)
+            inputs, targets = (
+                data.inputs[start : start + batch_size],
+                data.targets[start : start + batch_size],
+            )
+        logits, _ = model(inputs)
+        loss = nn.functional.cross_entropy(logits, targets)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def position_names(pairs: int) -> dict[str, int]:
+    """The paper's item positions: first, middle (``pairs // 2``) and last."""
+    return {"first": 0, "middle": pairs // 2, "last": pairs - 1}
+
+
+@torch.no_grad()
+def accuracy_gaps(model: AttentionOnly, task: InContextClassification, size: int = 2000) -> pd.DataFrame:
+    """The bias metric on novel classes: per pair ``acc_ab``, ``acc_ba`` and ``gap = acc_ab − acc_ba``.
+
+    ``acc_ab`` is the accuracy on test set ``[a, b]``: answer at item ``a``, an exact copy of it at ``b``.
+    """
+    positions = position_names(task.config.pairs)
+
+    def accuracy(answer: int, copy: int) -> float:
+        batch = task.test_batch(size, answer, copy)
+        return (model(batch.inputs)[0].argmax(-1) == batch.targets).float().mean().item()
+
+    rows = []
+    for a, b in (("first", "middle"), ("first", "last"), ("middle", "last")):
+        acc_ab = accuracy(positions[a], positions[b])
+        acc_ba = accuracy(positions[b], positions[a])
+        rows.append({"pair": f"{a} vs {b}", "acc_ab": acc_ab, "acc_ba": acc_ba, "gap": acc_ab - acc_ba})
+    return pd.DataFrame(rows)
