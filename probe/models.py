@@ -150,12 +150,12 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **over
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        max_position_embeddings=256,
+        max_position_embeddings=512,
         attn_implementation="sdpa",
         dtype=torch.float32,
     )
     if arch == "llama":
-        config = LlamaConfig(num_hidden_layers=3, **(common | overrides))
+        config = LlamaConfig(**(common | {"num_hidden_layers": 3} | overrides))
     elif arch == "gemma3":
         gemma = dict(
             num_hidden_layers=4,

@@ -1,0 +1,321 @@
+"""Critical-token detectors: one registry, one signature.
+
+Every detector maps ``(model, tokenizer, sample)`` to one score per token of the sample
+(higher = more critical) and the set it would flag by its own rule, returned as a
+:class:`Detection` that carries its settings. The answer rows are the rows that predict the
+sample's teacher-forced gold answer (``sample.spans["answer"]``); scores for tokens at or
+after the answer are not meaningful for detection and :mod:`probe.metrics` ignores them.
+
+    >>> detection = probe.detect("information_flow", model, tokenizer, sample)
+    >>> detection.scores.shape, detection.flagged.sum()
+    >>> probe.detectors.names()
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+import probe
+from probe.tasks import Sample
+from probe.trace import frozen_parameters, hf_model
+
+
+@dataclass
+class Detection:
+    """What a detector found on one sample.
+
+    ``scores``: Tensor[seq], higher = more critical. ``flagged``: bool Tensor[seq], the
+    detector's own rule. ``details``: extra tensors (e.g. ``per_layer`` [layers, seq],
+    ``per_head`` [layers, heads, seq]) and diagnostics (``convergence_delta``).
+    ``settings``: the detector name and every option that produced the result.
+    """
+
+    name: str
+    scores: torch.Tensor
+    flagged: torch.Tensor
+    settings: dict[str, Any]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_frame(self, tokenizer=None, sample: Sample | None = None) -> pd.DataFrame:
+        """One row per token: position, score, flagged (and token text / category given a sample)."""
+        frame = pd.DataFrame(
+            {
+                "position": np.arange(len(self.scores)),
+                "score": self.scores.numpy(),
+                "flagged": self.flagged.numpy(),
+            }
+        )
+        if sample is not None:
+            frame["category"] = token_categories(sample)
+            if tokenizer is not None:
+                frame["token"] = [tokenizer.decode(t) for t in sample.input_ids]
+        return frame.assign(detector=self.name)
+
+    def save(self, path: str | Path) -> None:
+        """Write scores, flags and settings as JSON (tensors in ``details`` as nested lists)."""
+        record = {
+            "name": self.name,
+            "settings": self.settings,
+            "scores": self.scores.tolist(),
+            "flagged": self.flagged.tolist(),
+            "details": {k: v.tolist() if torch.is_tensor(v) else v for k, v in self.details.items()},
+        }
+        Path(path).write_text(json.dumps(record))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Detection:
+        record = json.loads(Path(path).read_text())
+        return cls(
+            name=record["name"],
+            scores=torch.tensor(record["scores"]),
+            flagged=torch.tensor(record["flagged"], dtype=torch.bool),
+            settings=record["settings"],
+            details={k: torch.tensor(v) if isinstance(v, list) else v for k, v in record["details"].items()},
+        )
+
+
+Detector = Callable[..., Detection]
+_REGISTRY: dict[str, Detector] = {}
+
+
+def register(name: str) -> Callable[[Detector], Detector]:
+    """Add a detector ``fn(model, tokenizer, sample, **options) -> Detection`` to the registry."""
+
+    def add(fn: Detector) -> Detector:
+        _REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def names() -> list[str]:
+    """Names of all registered detectors."""
+    return list(_REGISTRY)
+
+
+def detect(name: str, model, tokenizer, sample: Sample, **options) -> Detection:
+    """Run detector ``name`` on ``sample``; ``options`` go to the detector (see its docstring)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name](model, tokenizer, sample, **options)
+
+
+# --- helpers shared by the detectors ---------------------------------------------------------
+
+
+def token_categories(sample: Sample) -> np.ndarray:
+    """One category name per token of ``sample``; ``other`` where no span covers it (template, instruction)."""
+    labels = np.full(len(sample.input_ids), "other", dtype=object)
+    for category, spans in sample.spans.items():
+        for start, end in spans:
+            labels[start:end] = category
+    return labels
+
+
+def answer_targets(sample: Sample) -> torch.Tensor:
+    """Positions of the teacher-forced answer tokens: LongTensor[answer_len]."""
+    (start, end), *_ = sample.spans["answer"]
+    return torch.arange(start, end)
+
+
+def top_k_mask(scores: torch.Tensor, k: int, context: int) -> torch.Tensor:
+    """bool Tensor[seq]: the ``k`` highest scores among the first ``context`` tokens."""
+    flagged = torch.zeros(len(scores), dtype=torch.bool)
+    flagged[scores[:context].topk(min(k, context)).indices] = True
+    return flagged
+
+
+def _layers(model, layers) -> list[int]:
+    total = hf_model(model).config.get_text_config().num_hidden_layers
+    return list(range(total)) if layers is None else [layer % total for layer in layers]
+
+
+# --- the detectors ---------------------------------------------------------------------------
+
+
+@register("attention")
+def attention(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) -> Detection:
+    """Attention from the answer-predicting rows, summed over heads, mean over rows and ``layers``.
+
+    Flags the ``top_k`` context tokens (CDT §6.1 uses top-30).
+    """
+    layers = _layers(model, layers)
+    rows = answer_targets(sample) - 1
+    pattern = probe.attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
+    per_layer = pattern.sum(dim=1).mean(dim=1)
+    scores = per_layer.mean(dim=0)
+    return Detection(
+        "attention",
+        scores,
+        top_k_mask(scores, top_k, sample.prompt_length),
+        {"layers": layers, "top_k": top_k},
+        {"per_layer": per_layer},
+    )
+
+
+@register("fr")
+def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) -> Detection:
+    """Fact-retrieval score (CDT §3.1): how often a token is among a head's top-k attended tokens.
+
+    At each answer step j every head attends the ``top_k`` tokens it weights most (its set s_j).
+    ``scores[i]`` = fraction of (head, step) pairs whose s_j contains token i (the per-token
+    form of FR averaged over heads); ``details["per_head"]`` [layers, heads, seq] holds the
+    per-head fractions, from which FR_{h,l}^{(r)} = |s_j ∩ T_r| / |T_r| follows per category,
+    and ``details["mass_per_head"]`` the attention-mass variant (mean attention per head).
+    Flags the ``top_k`` tokens with the highest score.
+    """
+    layers = _layers(model, layers)
+    rows = answer_targets(sample) - 1
+    pattern = probe.attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
+    context = sample.prompt_length
+    chosen = pattern[..., :context].topk(min(top_k, context), dim=-1).indices
+    attended = torch.zeros_like(pattern).scatter_(-1, chosen, 1.0)
+    per_head = attended.mean(dim=2)  # [L, H, S]
+    scores = per_head.mean(dim=(0, 1))
+    return Detection(
+        "fr",
+        scores,
+        top_k_mask(scores, top_k, context),
+        {"layers": layers, "top_k": top_k},
+        {"per_head": per_head, "mass_per_head": pattern.mean(dim=2)},
+    )
+
+
+@register("embedding_grad")
+def embedding_grad(model, tokenizer, sample: Sample, p: float = 2) -> Detection:
+    """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean."""
+    scores = probe.embedding_grad_norms(model, sample.input_ids, answer_targets(sample), p=p)
+    context = sample.prompt_length
+    flagged = torch.zeros(len(scores), dtype=torch.bool)
+    flagged[:context] = scores[:context] >= scores[:context].mean()
+    return Detection("embedding_grad", scores, flagged, {"p": p})
+
+
+@register("information_flow")
+def information_flow(
+    model, tokenizer, sample: Sample, layers=None, reduce: str = "sum_then_abs", top_k: int = 30
+) -> Detection:
+    """The IG / information-flow score (CDT eq. 1) from the answer rows, summed over ``layers``.
+
+    ``details["per_layer"]`` [layers, seq] keeps each layer's score. Flags the ``top_k`` tokens.
+    """
+    layers = _layers(model, layers)
+    per_layer = probe.information_flow(model, sample.input_ids, answer_targets(sample), layers, reduce)
+    scores = per_layer.sum(dim=0)
+    return Detection(
+        "information_flow",
+        scores,
+        top_k_mask(scores, top_k, sample.prompt_length),
+        {"layers": layers, "reduce": reduce, "top_k": top_k},
+        {"per_layer": per_layer},
+    )
+
+
+@register("integrated_gradients")
+def integrated_gradients(
+    model, tokenizer, sample: Sample, n_steps: int = 16, internal_batch_size: int = 4, top_k: int = 30
+) -> Detection:
+    """captum ``LayerIntegratedGradients`` on the embedding layer.
+
+    The attributed function is the mean log-probability of the answer tokens (= −L); the
+    baseline puts the pad token's embedding (EOS if there is none) at every position. A token's
+    score is |Σ_d attribution| (``details["signed"]`` keeps the sign). ``details["convergence_delta"]`` is captum's completeness gap
+    |Σ attributions − (f(x) − f(baseline))|: read it before trusting the scores (long inputs
+    and few steps make it large).
+    """
+    from captum.attr import LayerIntegratedGradients
+
+    inner = hf_model(model)
+    ids = sample.input_ids[None]
+    targets = answer_targets(sample)
+    baseline_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def answer_log_prob(batch_ids: torch.Tensor) -> torch.Tensor:
+        logits = inner(input_ids=batch_ids, use_cache=False, logits_to_keep=targets - 1).logits.float()
+        answer = sample.input_ids[targets].expand(len(batch_ids), -1)  # fixed: the baseline's ids are pads
+        return logits.log_softmax(-1).gather(-1, answer[..., None]).squeeze(-1).mean(-1)
+
+    with frozen_parameters(inner):
+        method = LayerIntegratedGradients(answer_log_prob, inner.get_input_embeddings())
+        attributions, delta = method.attribute(
+            ids,
+            baselines=torch.full_like(ids, baseline_id),
+            n_steps=n_steps,
+            internal_batch_size=internal_batch_size,
+            return_convergence_delta=True,
+        )
+    signed = attributions[0].sum(dim=-1).detach()
+    scores = signed.abs()
+    return Detection(
+        "integrated_gradients",
+        scores,
+        top_k_mask(scores, top_k, sample.prompt_length),
+        {"n_steps": n_steps, "top_k": top_k, "baseline_token_id": baseline_id},
+        {"signed": signed, "convergence_delta": float(delta.abs().item())},
+    )
+
+
+@register("random")
+def random_scores(model, tokenizer, sample: Sample, seed: int = 0, top_k: int = 30) -> Detection:
+    """Uniform random scores (seeded): the chance level of every metric."""
+    scores = torch.rand(len(sample.input_ids), generator=torch.Generator().manual_seed(seed))
+    return Detection(
+        "random", scores, top_k_mask(scores, top_k, sample.prompt_length), {"seed": seed, "top_k": top_k}
+    )
+
+
+@register("recency")
+def recency(model, tokenizer, sample: Sample, top_k: int = 30) -> Detection:
+    """Later tokens score higher (position / seq): the "the model reads the end" baseline."""
+    scores = torch.arange(len(sample.input_ids), dtype=torch.float32) / len(sample.input_ids)
+    return Detection("recency", scores, top_k_mask(scores, top_k, sample.prompt_length), {"top_k": top_k})
+
+
+_WORD = re.compile(r"[A-Za-z0-9]+")
+_STOPWORDS = frozenset(
+    "a an and are as at be before by did do does for from has have he her his in is it its of on or she "
+    "that the their them they this to was were what where which who why with you your".split()
+)
+
+
+@register("lexical_overlap")
+def lexical_overlap(model, tokenizer, sample: Sample, top_k: int = 30) -> Detection:
+    """1 for context tokens inside a word that also occurs in the question (LOGO's chunk scoring, per word).
+
+    Words are case-folded alphanumeric runs of the sample text, stop words excluded; tokens map
+    to words through the tokenizer's character offsets. Flags every overlapping token.
+    """
+    (q_start, q_end), *_ = sample.char_spans["question"]
+    question_words = {w.lower() for w in _WORD.findall(sample.text[q_start:q_end])} - _STOPWORDS
+    overlapping = np.zeros(len(sample.text), dtype=bool)
+    for match in _WORD.finditer(sample.text):
+        if match.group().lower() in question_words:
+            overlapping[match.start() : match.end()] = True
+    offsets = token_offsets(tokenizer, sample)
+    scores = torch.tensor([float(overlapping[start:end].any()) for start, end in offsets])
+    scores[sample.prompt_length :] = 0.0
+    question = torch.zeros_like(scores, dtype=torch.bool)
+    for start, end in sample.spans["question"]:
+        question[start:end] = True
+    scores[question] = 0.0  # the question trivially overlaps itself
+    return Detection("lexical_overlap", scores, scores > 0, {"top_k": top_k})
+
+
+def token_offsets(tokenizer, sample: Sample) -> list[tuple[int, int]]:
+    """Character span of each token of ``sample`` in ``sample.text`` (re-tokenized, checked to match)."""
+    for special in (False, True):
+        encoding = tokenizer(sample.text, add_special_tokens=special, return_offsets_mapping=True)
+        if encoding["input_ids"] == sample.input_ids.tolist():
+            return [tuple(span) for span in encoding["offset_mapping"]]
+    raise ValueError(
+        "re-tokenizing the sample text does not reproduce its input_ids; pass the sample's tokenizer"
+    )

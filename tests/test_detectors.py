@@ -1,0 +1,203 @@
+"""Detectors and metrics: shapes, agreement with the eager references, flag rules, planted signals."""
+
+import math
+
+import pytest
+import torch
+from reference import eager_forward, embedding_grad_reference, information_flow_reference
+from transformers import AutoTokenizer
+
+import probe
+from probe import detectors, metrics, tasks
+from probe.models import converted_folder
+from probe.tasks import Sample
+
+ATOL = 1e-5
+NEEDLE = 7  # the token id the planted model attends to
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(converted_folder("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def story(tokenizer):
+    """A real 2-hop sample (SmolLM2 tokenizer) and a tiny random model over the same vocabulary."""
+    model = probe.tiny_model("llama", vocab_size=len(tokenizer))
+    return model, tasks.make("multihop-2", tokenizer, 256, seed=3)
+
+
+def hand_sample(seq=48, needle=(12, 15), question=(36, 40), answer=(44, 46)) -> Sample:
+    """A sample built by hand: random ids, NEEDLE tokens in the supporting span."""
+    ids = torch.randint(10, 128, (seq,), generator=torch.Generator().manual_seed(0))
+    ids[needle[0] : needle[1]] = NEEDLE
+    spans = {"supporting": [needle], "interference": [], "noise": [(0, needle[0]), (needle[1], question[0])]}
+    spans |= {"low_frequency": [], "question": [question], "answer": [answer]}
+    return Sample(
+        task="hand", length=seq, seed=0, depth=None, options={}, text="", input_ids=ids, answer="",
+        answer_pattern="", prompt_length=answer[0], spans=spans, char_spans={},
+    )  # fmt: skip
+
+
+def planted_model():
+    """One-layer Llama whose every query attends (almost) only to NEEDLE tokens.
+
+    Every embedding carries a constant in hidden dim 0, which q_proj turns into one query; only
+    NEEDLE's embedding has hidden dim 1, which k_proj turns into a matching key. Query and key
+    live in the slowest RoPE pair (rope_theta 1e9), so position barely rotates them.
+    """
+    model = probe.tiny_model(
+        "llama", num_hidden_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1e9}
+    )
+    head_dim = model.config.head_dim
+    slow = [head_dim // 2 - 1, head_dim - 1]  # the two halves of the slowest-rotating RoPE pair
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[:, :2] = 0.0
+        embed[:, 0] = 3.0
+        embed[NEEDLE, 1] = 3.0
+        attention = model.model.layers[0].self_attn
+        attention.q_proj.weight.zero_()
+        attention.k_proj.weight.zero_()
+        for head in range(model.config.num_attention_heads):
+            attention.q_proj.weight[[head * head_dim + d for d in slow], 0] = 10.0
+        for head in range(model.config.num_key_value_heads):
+            attention.k_proj.weight[[head * head_dim + d for d in slow], 1] = 10.0
+    return model
+
+
+def test_registry_lists_every_detector_and_refuses_unknown_names(story):
+    model, sample = story
+    assert set(detectors.names()) >= {
+        "attention", "fr", "embedding_grad", "information_flow", "integrated_gradients",
+        "random", "lexical_overlap", "recency",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="registered detectors"):
+        probe.detect("nope", model, None, sample)
+
+
+@pytest.mark.parametrize(
+    "name", ["attention", "fr", "embedding_grad", "information_flow", "random", "recency"]
+)
+def test_detector_output_shape_and_settings(story, tokenizer, name):
+    model, sample = story
+    detection = probe.detect(name, model, tokenizer, sample)
+    assert detection.scores.shape == detection.flagged.shape == (len(sample.input_ids),)
+    assert detection.flagged.dtype == torch.bool
+    assert not detection.flagged[sample.prompt_length :].any()  # only context tokens are flagged
+    assert detection.name == name and isinstance(detection.settings, dict)
+
+
+def test_top_k_detectors_flag_exactly_k_context_tokens(story, tokenizer):
+    model, sample = story
+    for name in ("attention", "fr", "information_flow", "random", "recency"):
+        detection = probe.detect(name, model, tokenizer, sample, top_k=11)
+        assert detection.flagged.sum() == 11
+        threshold = detection.scores[detection.flagged].min()
+        assert (
+            detection.scores[: sample.prompt_length][~detection.flagged[: sample.prompt_length]] <= threshold
+        ).all()
+
+
+def test_attention_detector_matches_eager(story, tokenizer):
+    model, sample = story
+    targets = detectors.answer_targets(sample)
+    attentions, _ = eager_forward(model, sample.input_ids[None])
+    expected = torch.stack([a[0][:, targets - 1].sum(0).mean(0) for a in attentions]).mean(0)
+    got = probe.detect("attention", model, tokenizer, sample).scores
+    assert (got - expected).abs().max() <= ATOL
+
+
+def test_fr_counts_top_k_membership_per_head(story, tokenizer):
+    model, sample = story
+    detection = probe.detect("fr", model, tokenizer, sample, top_k=5)
+    targets = detectors.answer_targets(sample)
+    attentions, _ = eager_forward(model, sample.input_ids[None])
+    context = sample.prompt_length
+    for layer, attention in enumerate(attentions):
+        for head in range(attention.shape[1]):
+            rows = attention[0, head, targets - 1, :context]
+            counts = torch.zeros(len(sample.input_ids))
+            for row in rows:  # brute force: each generation step's top-5 set
+                counts[row.topk(5).indices] += 1
+            assert torch.allclose(detection.details["per_head"][layer, head], counts / len(rows))
+
+
+def test_gradient_detectors_match_retain_grad(story, tokenizer):
+    model, sample = story
+    ids, targets = sample.input_ids[None], detectors.answer_targets(sample)
+    flow = probe.detect("information_flow", model, tokenizer, sample)
+    assert (flow.details["per_layer"] - information_flow_reference(model, ids, targets)).abs().max() <= ATOL
+    grad = probe.detect("embedding_grad", model, tokenizer, sample, p=1)
+    assert (grad.scores - embedding_grad_reference(model, ids, targets, p=1)).abs().max() <= ATOL
+    context = grad.scores[: sample.prompt_length]
+    assert torch.equal(grad.flagged[: sample.prompt_length], context >= context.mean())  # CDT §4.1 rule
+
+
+def test_integrated_gradients_is_complete_and_reports_its_delta():
+    model, sample = probe.tiny_model("llama"), hand_sample()
+
+    class Pad:
+        pad_token_id, eos_token_id = 0, 1
+
+    coarse = probe.detect("integrated_gradients", model, Pad(), sample, n_steps=2, internal_batch_size=2)
+    fine = probe.detect("integrated_gradients", model, Pad(), sample, n_steps=32, internal_batch_size=32)
+    assert fine.details["convergence_delta"] < 1e-4 < coarse.details["convergence_delta"]
+    targets = detectors.answer_targets(sample)
+    with torch.no_grad():  # completeness: Σ attributions = f(x) − f(baseline), f = −loss
+        pads = model.get_input_embeddings()(torch.zeros_like(sample.input_ids))[None]
+        f_input = -probe.target_loss(model, sample.input_ids[None], targets)
+        f_baseline = -probe.target_loss(model, sample.input_ids[None], targets, inputs_embeds=pads)
+    assert fine.details["signed"].sum() == pytest.approx(float(f_input - f_baseline), abs=1e-4)
+    assert torch.equal(fine.scores, fine.details["signed"].abs())
+
+
+@pytest.mark.parametrize("name", ["attention", "fr", "information_flow", "embedding_grad"])
+def test_planted_needle_is_found(name):
+    model, sample = planted_model(), hand_sample()
+    detection = probe.detect(name, model, None, sample, **({} if name == "embedding_grad" else {"top_k": 3}))
+    record = metrics.evaluate(detection, sample, top_k=3)
+    assert record["auroc"] > 0.95
+    assert record["fact_hit_rate"] == 1.0
+    if name != "embedding_grad":
+        assert record["precision_supporting"] == 1.0
+
+
+def test_lexical_overlap_flags_words_shared_with_the_question(story, tokenizer):
+    _, sample = story
+    detection = probe.detect("lexical_overlap", None, tokenizer, sample)
+    (q_start, q_end), *_ = sample.char_spans["question"]
+    flagged_words = {tokenizer.decode(t).strip().lower() for t in sample.input_ids[detection.flagged]}
+    question = sample.text[q_start:q_end].lower()
+    assert flagged_words and all(word in question for word in flagged_words)
+
+
+def test_metrics_against_a_hand_count():
+    sample = hand_sample()
+    flagged = torch.zeros(48, dtype=torch.bool)
+    flagged[[12, 13, 20, 21]] = True  # two needle tokens, two noise tokens
+    scores = torch.zeros(48)
+    scores[12:15] = 1.0
+    record = metrics.evaluate(detectors.Detection("hand", scores, flagged, {}), sample, top_k=3)
+    assert record["precision_supporting"] == 0.5 and record["recall_supporting"] == pytest.approx(2 / 3)
+    assert record["share_flagged_supporting"] == 0.5 and record["share_flagged_noise"] == 0.5
+    assert record["auroc"] == 1.0 and record["fact_hit_rate"] == 1.0
+    assert record["share_top_k_supporting"] == 1.0
+    empty = metrics.evaluate(
+        detectors.Detection("none", torch.zeros(48), torch.zeros(48, dtype=torch.bool), {}), sample
+    )
+    assert empty["precision_supporting"] == 0.0 and empty["auroc"] == 0.5
+
+
+def test_detection_round_trips_through_json(story, tokenizer, tmp_path):
+    model, sample = story
+    detection = probe.detect("information_flow", model, tokenizer, sample)
+    detection.save(tmp_path / "d.json")
+    loaded = detectors.Detection.load(tmp_path / "d.json")
+    assert torch.allclose(loaded.scores, detection.scores) and torch.equal(loaded.flagged, detection.flagged)
+    assert loaded.settings == detection.settings
+    assert torch.allclose(loaded.details["per_layer"], detection.details["per_layer"])
+    frame = detection.to_frame(tokenizer, sample)
+    assert list(frame.columns[:3]) == ["position", "score", "flagged"] and len(frame) == len(sample.input_ids)
+    assert not math.isnan(frame.score.sum())

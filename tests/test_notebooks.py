@@ -1,0 +1,36 @@
+"""Every notebook in notebooks/ runs top to bottom at tiny settings (its `parameters` cell overridden)."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_SETTINGS = {
+    "flow_demo.ipynb": {"LENGTH": 256},
+}
+
+
+def execute_notebook(path: Path, **parameters) -> nbformat.NotebookNode:
+    """Run ``path`` in a fresh kernel, with ``parameters`` assigned right after its `parameters` cell."""
+    notebook = nbformat.read(path, as_version=4)
+    tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
+    if not tagged:
+        raise ValueError(f"{path.name} has no cell tagged 'parameters'")
+    overrides = "\n".join(f"{name} = {value!r}" for name, value in parameters.items())
+    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(overrides))
+    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    return notebook
+
+
+def test_every_notebook_has_tiny_settings():
+    assert sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")) == sorted(TINY_SETTINGS)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", sorted(TINY_SETTINGS))
+def test_notebook_runs(name):
+    executed = execute_notebook(ROOT / "notebooks" / name, **TINY_SETTINGS[name])
+    errors = [out for cell in executed.cells for out in cell.get("outputs", []) if out.output_type == "error"]
+    assert not errors
