@@ -113,7 +113,7 @@ def detect(name: str, model, tokenizer, sample: Sample, **options) -> Detection:
 
 
 def token_categories(sample: Sample) -> np.ndarray:
-    """One category name per token of ``sample``; ``other`` where no span covers it (template, instruction)."""
+    """One category per token of ``sample``; ``other`` where no span covers it (template, instruction)."""
     labels = np.full(len(sample.input_ids), "other", dtype=object)
     for category, spans in sample.spans.items():
         for start, end in spans:
@@ -228,9 +228,9 @@ def integrated_gradients(
 
     The attributed function is the mean log-probability of the answer tokens (= −L); the
     baseline puts the pad token's embedding (EOS if there is none) at every position. A token's
-    score is |Σ_d attribution| (``details["signed"]`` keeps the sign). ``details["convergence_delta"]`` is captum's completeness gap
-    |Σ attributions − (f(x) − f(baseline))|: read it before trusting the scores (long inputs
-    and few steps make it large).
+    score is |Σ_d attribution| (``details["signed"]`` keeps the sign).
+    ``details["convergence_delta"]`` is captum's completeness gap |Σ attributions − (f(x) − f(baseline))|:
+    read it before trusting the scores (long inputs and few steps make it large).
     """
     from captum.attr import LayerIntegratedGradients
 
