@@ -10,8 +10,9 @@ new tokens) from ``sample.prompt_ids`` — the prompt already ends with the task
 
 Writes ``task_accuracy.csv`` (one row per sample: settings, gold answer, generated text, correct),
 ``task_accuracy.png`` (accuracy heatmap, task x length, one panel per model) and
-``task_accuracy.md`` (the accuracy table for the README). ``--resume`` keeps the samples already
-in the CSV and runs only the missing ones; the CSV is rewritten after every (model, task, length).
+``task_accuracy.md`` (the accuracy table for the README). The CSV is rewritten after every sample;
+``--resume`` keeps the samples already in it and runs only the missing ones (``--resume --samples
+0`` just redraws the figure and table from the CSV).
 """
 
 from __future__ import annotations
@@ -120,25 +121,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, models: dict | None = None) -> pd.DataFrame:
-    """Run the table; ``models`` maps names to already-loaded ``(model, tokenizer)`` pairs (tests)."""
+    """Run the table; ``models`` maps names to already-loaded ``(model, tokenizer)`` pairs (tests).
+
+    Seeds are the outer loop, so an interrupted run leaves every cell with about as many samples;
+    ``--resume`` then goes on where it stopped.
+    """
     args = parse_args(argv)
     csv = args.out / f"{NAME}.csv"
     done = pd.read_csv(csv) if args.resume and csv.exists() else pd.DataFrame(columns=KEYS)
     finished = set(done[KEYS].itertuples(index=False, name=None))
-    rows = []
     names = list(models) if models else args.models
-    progress = tqdm(total=len(names) * len(args.tasks) * len(args.lengths) * args.samples, desc=NAME)
-    for name in names:
-        model, tokenizer = models[name] if models else probe.load_model(name)
-        for task in args.tasks:
-            for length in args.lengths:
-                progress.set_postfix(model=name, task=task, length=length)
-                for seed in range(args.samples):
-                    if (name, task, length, seed) not in finished:
-                        rows.append(evaluate(model, tokenizer, name, task, length, seed))
-                    progress.update()
-                atomic_write(csv, lambda tmp: pd.concat([done, pd.DataFrame(rows)]).to_csv(tmp, index=False))
-    progress.close()
+    cells = [(n, t, length) for n in names for t in args.tasks for length in args.lengths]
+    todo = [(*cell, seed) for seed in range(args.samples) for cell in cells if (*cell, seed) not in finished]
+    loaded = dict(models or {})
+    rows = []
+    for name, task, length, seed in tqdm(todo, desc=NAME):
+        if name not in loaded:
+            loaded[name] = probe.load_model(name)
+        rows.append(evaluate(*loaded[name], name, task, length, seed))
+        atomic_write(csv, lambda tmp: pd.concat([done, pd.DataFrame(rows)]).to_csv(tmp, index=False))
     results = pd.concat([done, pd.DataFrame(rows)]).astype({"length": int, "seed": int, "correct": float})
     write(results, args.out)
     return results
