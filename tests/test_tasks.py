@@ -177,3 +177,9 @@ def test_names_lists_every_task():
         "multihop-1", "multihop-2", "multihop-3", "multihop-4",
         "lines", "passkey", "niah", "multivalue-niah", "kv",
     }
+
+
+def test_easy_lines_setting_scatters_few_lines_in_noise():
+    sample_ = sample("lines", "gemma3-270m", lines=5)
+    assert len(sample_.spans["supporting"]) == 1 and len(sample_.spans["interference"]) == 4
+    assert len(sample_.spans["noise"]) > 10
