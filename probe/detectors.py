@@ -264,6 +264,31 @@ def integrated_gradients(
     )
 
 
+@register("lsd")
+def long_short_difference(
+    model, tokenizer, sample: Sample, K: int = 256, d: int = 128, alpha: float = 2.0, beta: float = -2.0
+) -> Detection:
+    """Long-short difference LSD(x_i) = log P(x_i | all) − log P(x_i | last K tokens) (LongPPL eq. 2).
+
+    Flags the key tokens of LongPPL eq. 4: LSD > α and LCL > β. The shared implementation is
+    :func:`probe.lsd.lsd_scores` (sliding windows of step ``d``). Tokens without a
+    short-context score (the first K) get score 0 and are never flagged. The paper's K=4096
+    needs samples well beyond 4K tokens; the default K=256 suits ~1K-token samples.
+    """
+    from probe.lsd import key_token_mask, lsd_scores
+
+    lsd, lcl = lsd_scores(model, sample.input_ids, K=K, d=d)
+    flagged = key_token_mask(lsd, lcl, alpha, beta)
+    flagged[sample.prompt_length :] = False
+    return Detection(
+        "lsd",
+        lsd.nan_to_num(0.0),
+        flagged,
+        {"K": K, "d": d, "alpha": alpha, "beta": beta},
+        {"lcl": lcl},
+    )
+
+
 @register("random")
 def random_scores(model, tokenizer, sample: Sample, seed: int = 0, top_k: int = 30) -> Detection:
     """Uniform random scores (seeded): the chance level of every metric."""

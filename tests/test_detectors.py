@@ -71,14 +71,14 @@ def test_registry_lists_every_detector_and_refuses_unknown_names(story):
     model, sample = story
     assert set(detectors.names()) >= {
         "attention", "fr", "embedding_grad", "information_flow", "integrated_gradients",
-        "random", "lexical_overlap", "recency",
+        "lsd", "random", "lexical_overlap", "recency",
     }  # fmt: skip
     with pytest.raises(ValueError, match="registered detectors"):
         probe.detect("nope", model, None, sample)
 
 
 @pytest.mark.parametrize(
-    "name", ["attention", "fr", "embedding_grad", "information_flow", "random", "recency"]
+    "name", ["attention", "fr", "embedding_grad", "information_flow", "lsd", "random", "recency"]
 )
 def test_detector_output_shape_and_settings(story, tokenizer, name):
     model, sample = story
@@ -201,3 +201,13 @@ def test_detection_round_trips_through_json(story, tokenizer, tmp_path):
     frame = detection.to_frame(tokenizer, sample)
     assert list(frame.columns[:3]) == ["position", "score", "flagged"] and len(frame) == len(sample.input_ids)
     assert not math.isnan(frame.score.sum())
+
+
+def test_lsd_detector_flags_by_the_key_token_rule(story, tokenizer):
+    model, sample = story
+    detection = probe.detect("lsd", model, tokenizer, sample, K=64, d=32, alpha=0.0, beta=-20.0)
+    lsd, lcl = detection.scores, detection.details["lcl"]
+    assert (lsd[:64] == 0).all()  # no short-context score for the first K tokens
+    expected = (lsd > 0.0) & (lcl > -20.0)
+    expected[sample.prompt_length :] = False
+    assert expected.any() and torch.equal(detection.flagged, expected)
