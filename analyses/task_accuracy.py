@@ -66,8 +66,9 @@ def evaluate(model, tokenizer, model_name: str, task: str, length: int, seed: in
 
 
 def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
-    """Mean accuracy, rows = task (in ``tasks.names()`` order), columns = (model, length)."""
+    """Mean accuracy, rows = task (in ``tasks.names()`` order), columns = (model as run, length)."""
     table = results.pivot_table(index="task", columns=["model", "length"], values="correct", aggfunc="mean")
+    table = table.reindex(columns=results.model.unique(), level="model")
     return table.reindex([t for t in tasks.names() if t in table.index])
 
 
@@ -87,12 +88,13 @@ def plot(results: pd.DataFrame) -> plt.Figure:
     """Accuracy heatmaps (task x prompt length), one panel per model."""
     table = accuracy_table(results)
     models = table.columns.get_level_values("model").unique()
-    fig, axes = plt.subplots(1, len(models), figsize=(2.2 + 1.3 * table.shape[1], 0.5 * len(table) + 1.5))
-    for ax, model in zip([axes] if len(models) == 1 else axes, models, strict=True):
-        sns.heatmap(
-            table[model], ax=ax, vmin=0, vmax=1, annot=True, fmt=".2f", cmap="viridis", cbar=ax is not axes
-        )
+    size = (2.5 + 1.3 * table.shape[1], 0.5 * len(table) + 1.5)
+    fig, axes = plt.subplots(1, len(models), figsize=size, sharey=True, squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        last = model == models[-1]
+        sns.heatmap(table[model], ax=ax, vmin=0, vmax=1, annot=True, fmt=".2f", cmap="viridis", cbar=last)
         ax.set(title=model, xlabel="prompt length (tokens)", ylabel="")
+        ax.tick_params(axis="y", rotation=0)
     fig.suptitle("Greedy accuracy on synthetic long-context tasks")
     fig.tight_layout()
     return fig
