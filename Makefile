@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 figures: $(STAMP)  ## the main job, quick default on SmolLM2-135M, writes figures/
-	$(PY) -m analyses.flow_demo
+	$(PY) -m analyses.detector_compare
 
 test: $(STAMP)  ## the test suite (tiny models, plus a few marked real-model checks)
 	$(PY) -m ruff check .

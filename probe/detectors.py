@@ -13,6 +13,7 @@ after the answer are not meaningful for detection and :mod:`probe.metrics` ignor
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Callable
@@ -100,6 +101,11 @@ def register(name: str) -> Callable[[Detector], Detector]:
 def names() -> list[str]:
     """Names of all registered detectors."""
     return list(_REGISTRY)
+
+
+def options(name: str) -> list[str]:
+    """The options detector ``name`` accepts (beyond model, tokenizer and sample)."""
+    return list(inspect.signature(_REGISTRY[name]).parameters)[3:]
 
 
 def detect(name: str, model, tokenizer, sample: Sample, **options) -> Detection:
@@ -313,7 +319,7 @@ _STOPWORDS = frozenset(
 
 
 @register("lexical_overlap")
-def lexical_overlap(model, tokenizer, sample: Sample, top_k: int = 30) -> Detection:
+def lexical_overlap(model, tokenizer, sample: Sample) -> Detection:
     """1 for context tokens inside a word that also occurs in the question (LOGO's chunk scoring, per word).
 
     Words are case-folded alphanumeric runs of the sample text, stop words excluded; tokens map
@@ -332,7 +338,7 @@ def lexical_overlap(model, tokenizer, sample: Sample, top_k: int = 30) -> Detect
     for start, end in sample.spans["question"]:
         question[start:end] = True
     scores[question] = 0.0  # the question trivially overlaps itself
-    return Detection("lexical_overlap", scores, scores > 0, {"top_k": top_k})
+    return Detection("lexical_overlap", scores, scores > 0, {"stopwords": len(_STOPWORDS)})
 
 
 def token_offsets(tokenizer, sample: Sample) -> list[tuple[int, int]]:

@@ -18,3 +18,15 @@ def tiny(request):
 def smollm2():
     """The real SmolLM2-135M-Instruct (converted once to the user cache)."""
     return probe.load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory):
+    """A tiny random Llama saved with the real SmolLM2 tokenizer: loads by path like a real model, fast."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(probe.models.converted_folder("smollm2-135m"))
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    probe.tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

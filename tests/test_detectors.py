@@ -211,3 +211,8 @@ def test_lsd_detector_flags_by_the_key_token_rule(story, tokenizer):
     expected = (lsd > 0.0) & (lcl > -20.0)
     expected[sample.prompt_length :] = False
     assert expected.any() and torch.equal(detection.flagged, expected)
+
+
+def test_options_lists_what_a_detector_accepts():
+    assert detectors.options("embedding_grad") == ["p"]
+    assert "top_k" in detectors.options("attention") and "top_k" not in detectors.options("lsd")

@@ -7,8 +7,9 @@ import pytest
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = "<tiny model folder>"  # replaced by the `tiny_model_folder` fixture's path
 TINY_SETTINGS = {
-    "flow_demo.ipynb": {"LENGTH": 256},
+    "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
 }
 
 
@@ -30,7 +31,8 @@ def test_every_notebook_has_tiny_settings():
 
 @pytest.mark.real
 @pytest.mark.parametrize("name", sorted(TINY_SETTINGS))
-def test_notebook_runs(name):
-    executed = execute_notebook(ROOT / "notebooks" / name, **TINY_SETTINGS[name])
+def test_notebook_runs(name, tiny_model_folder):
+    settings = {k: str(tiny_model_folder) if v == TINY_MODEL else v for k, v in TINY_SETTINGS[name].items()}
+    executed = execute_notebook(ROOT / "notebooks" / name, **settings)
     errors = [out for cell in executed.cells for out in cell.get("outputs", []) if out.output_type == "error"]
     assert not errors
