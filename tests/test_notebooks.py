@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = "<tiny model folder>"  # replaced by the `tiny_model_folder` fixture's path
 TINY_SETTINGS = {
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
+    "position_bias.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 64, "STEPS": 30},
 }
 
 
@@ -21,7 +22,8 @@ def execute_notebook(path: Path, **parameters) -> nbformat.NotebookNode:
         raise ValueError(f"{path.name} has no cell tagged 'parameters'")
     overrides = "\n".join(f"{name} = {value!r}" for name, value in parameters.items())
     notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(overrides))
-    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    client = NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": ROOT}})
+    client.execute()
     return notebook
 
 
