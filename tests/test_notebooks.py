@@ -22,8 +22,8 @@ def execute_notebook(path: Path, **parameters) -> nbformat.NotebookNode:
         raise ValueError(f"{path.name} has no cell tagged 'parameters'")
     overrides = "\n".join(f"{name} = {value!r}" for name, value in parameters.items())
     notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(overrides))
-    client = NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": ROOT}})
-    client.execute()
+    resources = {"metadata": {"path": ROOT}}
+    NotebookClient(notebook, timeout=900, kernel_name="python3", resources=resources).execute()
     return notebook
 
 
