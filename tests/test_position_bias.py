@@ -74,7 +74,16 @@ def test_bad_config():
         SANConfig(pe="decay")  # the reference README's --pe decay silently ran NoPE
 
 
-def test_training_lowers_the_loss():
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: thread hand-offs cost far more than the arithmetic on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_training_lowers_the_loss(one_thread):
     torch.manual_seed(0)
     task = InContextClassification(Config(classes=64), seed=0)
     model = AttentionOnly(SANConfig(layers=2, residual=True))

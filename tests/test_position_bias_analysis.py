@@ -1,0 +1,36 @@
+"""``python -m analyses.position_bias --smoke`` end to end, without the real models."""
+
+import pandas as pd
+import pytest
+
+from analyses import position_bias
+
+FIGURES = ("gaps", "attention_maps", "sinks", "selector_depth", "theory")
+
+
+def test_smoke_run_writes_every_figure(tmp_path):
+    tables = position_bias.main(["--smoke", "--models", "--no-progress", "--out", str(tmp_path)])
+    for name in FIGURES:
+        assert (tmp_path / f"position_bias_{name}.png").stat().st_size > 0
+        pd.testing.assert_frame_equal(
+            pd.read_csv(tmp_path / f"position_bias_{name}.csv"),
+            tables[name].reset_index(drop=True),
+            check_dtype=False,
+        )
+    gaps = tables["gaps"]
+    assert set(gaps.source) == {"ours", "paper"} and set(gaps.setting) == {"depth 2", "depth 2 + res"}
+    paper = gaps[(gaps.source == "paper") & (gaps.panel == "No PE") & (gaps.setting == "depth 2")]
+    assert paper.set_index("pair").gap["first vs last"] == 0.077  # Wu et al. Fig 4
+    maps = tables["attention_maps"].pivot_table(index=["map", "query"], columns="key", values="value")
+    assert maps.sum(axis=1).to_numpy() == pytest.approx(1, abs=1e-5)
+    theory = tables["theory"].dropna(subset="closed_form")
+    interior = theory[
+        (theory.family == "Cesàro") | (theory.family.str.startswith("decay") & (theory.token >= 12))
+    ]
+    assert ((interior.numeric / interior.closed_form - 1).abs() < 0.01).all()
+
+
+def test_options_override_the_preset():
+    preset, _ = position_bias.parse_args(["--smoke", "--steps", "7", "--seeds", "1", "2", "--depths", "3"])
+    assert (preset.steps, preset.seeds, preset.depths, preset.test_size) == (7, (1, 2), (3,), 200)
+    assert position_bias.parse_args([])[0] == position_bias.PRESETS["quick"]
