@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = "<tiny model folder>"  # replaced by the `tiny_model_folder` fixture's path
 TINY_SETTINGS = {
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
+    "longppl.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256, "K": 32, "D": 32},
     "position_bias.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 64, "STEPS": 30},
 }
 

@@ -1,0 +1,175 @@
+"""``probe.longppl`` against the official PyPI package ``longppl`` 0.3.0: key tokens, time, peak memory.
+
+The official package is installed ``--no-deps`` into a throwaway folder for this run only (it is no
+dependency of longprobe) and called as ``longppl.longppl.compute_longppl``. Every method runs on the
+same model (evaluator = evaluated model), text (Paul Graham essays), K and d, each in its own child
+process with the peak-RSS measurement of ``bench/capture_memory.py``:
+
+- ``official``: ``compute_longppl(text, model, model, tokenizer, tokenizer, trunc_len=K, sliding_window=d)``;
+- ``ours_official``: ``probe.longppl(..., official=True)`` — the official choices, our implementation;
+- ``ours``: ``probe.longppl(...)`` — our default (no wasted first window, one full pass when the
+  evaluator is the model itself).
+
+Key-token agreement compares the key character spans of each of ours with the official package's
+``find_key_token`` (run after the measurement, in the same child).
+
+    python bench/lsd_vs_longppl.py                          # SmolLM2, 4K tokens, K=1024, d=512
+    python bench/lsd_vs_longppl.py --lengths 4096 8192 --csv bench/results/lsd_vs_longppl.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+from capture_memory import _rss_mib  # the peak-RSS helper of the capture benchmark (same folder)
+
+METHODS = ("official", "ours_official", "ours")
+OFFICIAL = "longppl==0.3.0"
+
+
+def essay_text(tokenizer, length: int, K: int, d: int) -> str:
+    """About ``length`` tokens of essay text, avoiding the official code's crash on a 1-token last window."""
+    from probe.tasks.noise import sentences
+
+    ids = tokenizer(" ".join(sentences()[:3000])).input_ids
+    for cut in range(length, length - 8, -1):
+        text = tokenizer.decode(ids[:cut])
+        if (len(tokenizer(text).input_ids) - K) % d != 1:
+            return text
+    raise RuntimeError("no cut avoids a 1-token last window")
+
+
+def _run_child(method: str, length: int, args: argparse.Namespace) -> dict:
+    """Run one method once in this (fresh) process: seconds, peak MiB, n_key, key spans."""
+    import torch
+
+    import probe
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = probe.load_model(args.model)
+    text = essay_text(tokenizer, length, args.K, args.d)
+    if method != "ours":
+        sys.path.insert(0, args.official_path)
+        from longppl.longppl import compute_longppl, find_key_token
+
+    def run() -> dict:
+        if method == "official":
+            result = compute_longppl(
+                text, model, model, tokenizer, tokenizer, trunc_len=args.K, sliding_window=args.d
+            )
+            n_key = result["n_key_token"] or 0
+            return {
+                "longppl": float(result["longppl"] or "nan"),
+                "ppl": float(result["ppl"]),
+                "n_key_tokens": n_key,
+            }
+        result = probe.longppl(text, model, tokenizer, K=args.K, d=args.d, official=method == "ours_official")
+        return {
+            "longppl": result.longppl,
+            "ppl": result.ppl,
+            "n_key_tokens": result.n_key_tokens,
+            "spans": result.key_spans,
+        }
+
+    with torch.no_grad():  # page in the weights and warm the kernels
+        model(input_ids=torch.ones(1, 64, dtype=torch.long), use_cache=False)
+    loaded = _rss_mib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    peak = _rss_mib("VmHWM") - loaded
+    if method == "official":
+        with torch.no_grad():
+            spans = find_key_token(text, model, tokenizer, args.K, args.d)
+        result["spans"] = [tuple(map(int, span)) for span in spans.tolist()]
+    tokens = len(tokenizer(text).input_ids)
+    return {"tokens": tokens, "seconds": seconds, "peak_mib": peak, **result}
+
+
+def key_characters(spans: list) -> set[int]:
+    return {c for start, end in spans for c in range(start, end)}
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    parser.add_argument("--K", type=int, default=1024)
+    parser.add_argument("--d", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--official-path", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(_run_child(args.child[0], int(args.child[1]), args)))
+        return pd.DataFrame()
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="longppl-official-") as target:
+        pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target, OFFICIAL]
+        subprocess.run(pip, check=True)
+        for length in args.lengths:
+            for method in args.methods:
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--model",
+                    args.model,
+                    "--K",
+                    str(args.K),
+                    "--d",
+                    str(args.d),
+                ]
+                command += [
+                    "--threads",
+                    str(args.threads),
+                    "--official-path",
+                    target,
+                    "--child",
+                    method,
+                    str(length),
+                ]
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"{method} at {length} failed:\n{done.stderr[-3000:]}")
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                rows.append({"length": length, "method": method, **result})
+                print(
+                    f"{length:>6} {method:<14} {result['seconds']:7.1f} s {result['peak_mib']:8.0f} MiB",
+                    flush=True,
+                )
+    table = pd.DataFrame(rows)
+    official = table[table.method == "official"].set_index("length")
+    table["time_vs_official"] = table.seconds / table.length.map(official.seconds)
+    table["memory_vs_official"] = table.peak_mib / table.length.map(official.peak_mib)
+    reference = {length: key_characters(spans) for length, spans in official.spans.items()}
+    table["n_key_spans"] = table.spans.map(len)
+    table["key_chars"] = table.spans.map(lambda spans: len(key_characters(spans)))
+    table["key_chars_jaccard"] = [
+        len(key_characters(s) & reference[n]) / max(1, len(key_characters(s) | reference[n]))
+        for s, n in zip(table.spans, table.length, strict=True)
+    ]
+    table["same_spans"] = [s == official.spans[n] for s, n in zip(table.spans, table.length, strict=True)]
+    table = table.drop(columns="spans")
+    print(table.round(3).to_string(index=False))
+    if args.csv:
+        tmp = args.csv.with_suffix(".tmp")
+        table.to_csv(tmp, index=False)
+        tmp.replace(args.csv)
+    return table
+
+
+if __name__ == "__main__":
+    main()
