@@ -1,13 +1,13 @@
 """Peak memory of the context selector P = A^(L−1)…A^(0): streamed layer by layer vs stacking all layers.
 
 Each (method, length) runs in its own child process with the peak-RSS reset of
-``bench/capture_memory.py`` (``/proc/self/clear_refs`` → ``VmHWM``, helpers imported from there), on
+``bench/harness.py`` (``/proc/self/clear_refs`` → ``VmHWM``), shared with ``bench/capture_memory.py``, on
 the same essay text, and computes the same thing: the head-averaged product over all layers.
 
 - ``streamed``: ``probe.context_selector(model, ids, depths=[L − 1])`` — each layer's attention is
   handed over by the capture core and multiplied in place (O(heads·n²) for one layer + O(n²)).
-- ``stacked``: ``probe.attention_matrices`` keeps every layer's Tensor[heads, n, n], then the
-  product is taken (O(layers·heads·n²)).
+- ``stacked``: every layer's Tensor[heads, n, n] from ``probe.attention_matrices`` is kept, then
+  the product is taken (O(layers·heads·n²)).
 - ``eager``: ``output_attentions=True`` under eager attention, how rollout code usually gets the
   matrices, then the same product.
 
@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pandas as pd
-from capture_memory import _rss_mib
+from harness import add_ratios, measure, report, run_children
 
 METHODS = ("streamed", "stacked", "eager")
 
@@ -52,7 +49,9 @@ def _run_child(method: str, length: int, model_name: str, threads: int) -> dict:
         return probe.context_selector(model, ids, depths=[last])[0]
 
     def stacked():
-        return product(probe.attention_matrices(model, ids))
+        layers = []  # every layer's Tensor[heads, n, n], kept (as a list: no extra copy for a stack)
+        probe.attention_matrices(model, ids, on_layer=lambda _, pattern: layers.append(pattern))
+        return product(layers)
 
     def eager():
         model.set_attn_implementation("eager")
@@ -60,16 +59,13 @@ def _run_child(method: str, length: int, model_name: str, threads: int) -> dict:
             out = model(input_ids=ids, output_attentions=True, use_cache=False, logits_to_keep=1)
         return product(a[0] for a in out.attentions)
 
+    def warm_up():
+        with torch.no_grad():
+            model(input_ids=ids[:, :64], use_cache=False)
+
     run = {"streamed": streamed, "stacked": stacked, "eager": eager}[method]
-    with torch.no_grad():  # page in the (memory-mapped) weights and warm the kernels
-        model(input_ids=ids[:, :64], use_cache=False)
-    loaded = _rss_mib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
-    start = time.perf_counter()
-    result = run()
-    seconds = time.perf_counter() - start
-    peak = _rss_mib("VmHWM") - loaded
-    return {"seconds": seconds, "peak_mib": peak, "mass_first_last_row": float(result[-1, 0])}
+    stats, result = measure(run, warm_up)
+    return {**stats, "mass_first_last_row": float(result[-1, 0])}  # the same number for every method
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -84,34 +80,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        result = _run_child(args.child[0], int(args.child[1]), args.model, args.threads)
-        print(json.dumps(result))
-        return pd.DataFrame([result])
-
-    rows = []
-    for length in args.lengths:
-        for method in args.methods:
-            command = [sys.executable, __file__, "--model", args.model, "--threads", str(args.threads)]
-            done = subprocess.run(
-                [*command, "--child", method, str(length)], capture_output=True, text=True, check=True
-            )
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append({"length": length, "method": method, **result})
-            print(
-                f"{length:>6} {method:<9} {result['seconds']:8.1f} s {result['peak_mib']:9.0f} MiB",
-                flush=True,
-            )
-    table = pd.DataFrame(rows)
-    if "streamed" in args.methods:
-        streamed = table[table.method == "streamed"].set_index("length")
-        table["memory_vs_streamed"] = table.peak_mib / table.length.map(streamed.peak_mib)
-        table["time_vs_streamed"] = table.seconds / table.length.map(streamed.seconds)
-    print(table.round(3).to_string(index=False))
-    if args.csv:
-        tmp = args.csv.with_suffix(".tmp")
-        table.to_csv(tmp, index=False)
-        tmp.replace(args.csv)
-    return table
+        print(json.dumps(_run_child(args.child[0], int(args.child[1]), args.model, args.threads)))
+        return pd.DataFrame()
+    jobs = [(method, length) for length in args.lengths for method in args.methods]
+    table = run_children(__file__, ["--model", args.model, "--threads", str(args.threads)], jobs)
+    return report(add_ratios(table, "streamed") if "streamed" in args.methods else table, args.csv)
 
 
 if __name__ == "__main__":
