@@ -176,3 +176,15 @@ def test_masks():
     assert window.sum(1).tolist() == [1, 2, 2, 2, 2, 2]
     prefix = graph.causal_mask(5, prefix=2)
     assert prefix[0, 1] and prefix[:, :2].all() and not prefix[2, 3]
+
+
+@pytest.mark.real
+def test_real_model_selector_equals_dense_product(smollm2):
+    """SmolLM2 (GQA 9/3 heads, 30 layers) on essay text: streamed = dense, and the raw product collapses."""
+    from probe.tasks.noise import sentences
+
+    model, tokenizer = smollm2
+    ids = tokenizer(" ".join(sentences()[:20]), return_tensors="pt").input_ids[:, :48]
+    streamed = probe.context_selector(model, ids, depths=[0, 4, 29], block_size=16)
+    torch.testing.assert_close(streamed, dense_selectors(model, ids)[[0, 4, 29]], atol=1e-5, rtol=1e-4)
+    assert streamed[-1, -1, 0] > 0.9  # Thm 4.1: deep raw products put (almost) all mass on token 1
