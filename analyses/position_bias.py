@@ -20,6 +20,7 @@
     python -m analyses.position_bias --smoke      # a minute or two: every figure at toy settings
     python -m analyses.position_bias --paper      # the paper's 100k steps, 5 seeds, depths 2/4/6 & 2/6/10
     python -m analyses.position_bias --steps 4000 --seeds 0 1 --depths 2 4 6 --residual-depths 2 6 10
+    python -m analyses.position_bias --parts real --models gemma3-270m     # one part, one model
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ PAPER_GAPS = {
     ("RoPE", True, 10): (0.179, 0.024, -0.153),
 }
 REAL_MODELS = ("smollm2-135m", "gemma3-270m")
+PARTS = ("study", "theory", "real")
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ PRESETS = {
         kv_depths=(0.0, 1.0),
         kv_samples=1,
     ),
-    "quick": Preset(steps=1500, seeds=(0,), depths=(2, 6), residual_depths=(2, 6), test_size=2000, pool=500),
+    "quick": Preset(steps=1000, seeds=(0,), depths=(2, 6), residual_depths=(2, 6), test_size=2000, pool=500),
     "paper": Preset(
         steps=100_000,
         seeds=(0, 1, 2, 3, 4),
@@ -522,6 +524,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser.add_argument("--depths", type=int, nargs="+", help="depths without residual")
     parser.add_argument("--residual-depths", type=int, nargs="+", help="depths with residual")
     parser.add_argument("--models", nargs="*", help="real models (none: skip the real-model part)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: best on a shared CPU)")
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--no-progress", action="store_true")
@@ -535,48 +538,56 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     return dataclasses.replace(preset, **overrides), args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
-    """Run every part and write ``figures/position_bias_*.png`` + ``.csv``; returns the tables by name."""
-    preset, args = parse_args(argv)
-    progress = not args.no_progress
-    torch.set_num_threads(args.threads)  # tiny networks: thread hand-offs cost more than the arithmetic
+def run_study(preset: Preset, out: Path, progress: bool) -> dict[str, pd.DataFrame]:
+    """The controlled study: gap bars, attention maps, sinks, selector vs depth."""
     pools = {}
     gaps, networks = controlled_study(preset, pools, progress)
     sinks = sink_study(preset, networks, pools, progress)
     depth_table = selector_by_depth(preset, networks, pools)
+    task = pools[preset.seeds[0]][0]
     maps_model = networks["No PE", min(preset.depths), False, preset.seeds[0]]
-    maps_fig, maps = plot_attention_maps(
-        mean_attention(maps_model, pools[preset.seeds[0]][0], preset.test_size)
-    )
+    maps_fig, maps = plot_attention_maps(mean_attention(maps_model, task, preset.test_size))
     tables = {"gaps": with_paper(gaps), "attention_maps": maps, "sinks": sinks, "selector_depth": depth_table}
-    save_figure(plot_gaps(tables["gaps"]), tables["gaps"], args.out, "position_bias_gaps")
-    save_figure(maps_fig, maps, args.out, "position_bias_attention_maps")
-    save_figure(plot_sinks(sinks), sinks, args.out, "position_bias_sinks")
-    save_figure(plot_selector_by_depth(depth_table), depth_table, args.out, "position_bias_selector_depth")
-    tables["theory"] = theory_table()
-    save_figure(plot_theory(tables["theory"]), tables["theory"], args.out, "position_bias_theory")
+    save_figure(plot_gaps(tables["gaps"]), tables["gaps"], out, "position_bias_gaps")
+    save_figure(maps_fig, maps, out, "position_bias_attention_maps")
+    save_figure(plot_sinks(sinks), sinks, out, "position_bias_sinks")
+    save_figure(plot_selector_by_depth(depth_table), depth_table, out, "position_bias_selector_depth")
+    summary = tables["gaps"].pivot_table(index=["panel", "setting", "pair"], columns="source", values="gap")
+    print(summary.round(3).to_string())
+    return tables
 
+
+def run_real(preset: Preset, out: Path, progress: bool) -> dict[str, pd.DataFrame]:
+    """Real models: first-token mass vs depth, and lost in the middle on key–value retrieval."""
     masses, kv = [], []
     for name in tqdm(preset.models, desc="real models", disable=not progress):
         model, tokenizer = probe.load_model(name)
         masses.append(first_token_mass(name, model, tokenizer, preset))
         kv.append(lost_in_the_middle(name, model, tokenizer, preset, progress))
-    if masses:
-        tables["real_models"], tables["lost_in_the_middle"] = pd.concat(masses), pd.concat(kv)
-        save_figure(
-            plot_first_token_mass(tables["real_models"]),
-            tables["real_models"],
-            args.out,
-            "position_bias_real_models",
-        )
-        save_figure(
-            plot_lost_in_the_middle(tables["lost_in_the_middle"]),
-            tables["lost_in_the_middle"],
-            args.out,
-            "position_bias_lost_in_the_middle",
-        )
-    summary = tables["gaps"].pivot_table(index=["panel", "setting", "pair"], columns="source", values="gap")
-    print(summary.round(3).to_string())
+    if not masses:
+        return {}
+    tables = {"real_models": pd.concat(masses), "lost_in_the_middle": pd.concat(kv)}
+    save_figure(
+        plot_first_token_mass(tables["real_models"]), tables["real_models"], out, "position_bias_real_models"
+    )
+    lost = tables["lost_in_the_middle"]
+    save_figure(plot_lost_in_the_middle(lost), lost, out, "position_bias_lost_in_the_middle")
+    return tables
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
+    """Run the chosen parts, writing ``position_bias_*.png`` + ``.csv`` to ``--out``; returns the tables."""
+    preset, args = parse_args(argv)
+    progress = not args.no_progress
+    torch.set_num_threads(args.threads)  # tiny networks: thread hand-offs cost more than the arithmetic
+    tables = {}
+    if "study" in args.parts:
+        tables |= run_study(preset, args.out, progress)
+    if "theory" in args.parts:
+        tables["theory"] = theory_table()
+        save_figure(plot_theory(tables["theory"]), tables["theory"], args.out, "position_bias_theory")
+    if "real" in args.parts:
+        tables |= run_real(preset, args.out, progress)
     return tables
 
 
