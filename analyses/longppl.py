@@ -15,7 +15,7 @@
 
 K and d are small (our models are small and slow on CPU): the defaults K = d = 128.
 
-    python -m analyses.longppl            # quick: Gemma answer study + 6 variants at 768 tokens, ~5 min on 2 idle cores
+    python -m analyses.longppl            # quick: ~5 min on 2 idle cores
     python -m analyses.longppl --full     # both models as evaluators, 20 samples, tasks at 2K
 
 Writes ``figures/longppl_answer_ppl``, ``longppl_answer_lsd``, ``longppl_correlation`` (PNG + CSV),

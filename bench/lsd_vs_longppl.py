@@ -3,7 +3,7 @@
 The official package is installed ``--no-deps`` into a throwaway folder for this run only (it is no
 dependency of longprobe) and called as ``longppl.longppl.compute_longppl``. Every method runs on the
 same model (evaluator = evaluated model), text (Paul Graham essays), K and d, each in its own child
-process with the peak-RSS measurement of ``bench/capture_memory.py``:
+process measured by ``bench/harness.py`` (peak RSS above the warmed-up model, wall time):
 
 - ``official``: ``compute_longppl(text, model, model, tokenizer, tokenizer, trunc_len=K, sliding_window=d)``;
 - ``ours_official``: ``probe.longppl(..., official=True)`` — the official choices, our implementation;
@@ -24,11 +24,10 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pandas as pd
-from capture_memory import _rss_mib  # the peak-RSS helper of the capture benchmark (same folder)
+from harness import add_ratios, measure, report, run_children
 
 METHODS = ("official", "ours_official", "ours")
 OFFICIAL = "longppl==0.3.0"
@@ -78,20 +77,17 @@ def _run_child(method: str, length: int, args: argparse.Namespace) -> dict:
             "spans": result.key_spans,
         }
 
-    with torch.no_grad():  # page in the weights and warm the kernels
-        model(input_ids=torch.ones(1, 64, dtype=torch.long), use_cache=False)
-    loaded = _rss_mib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
-    start = time.perf_counter()
-    result = run()
-    seconds = time.perf_counter() - start
-    peak = _rss_mib("VmHWM") - loaded
+    def warm_up() -> None:  # page in the weights and warm the kernels
+        with torch.no_grad():
+            model(input_ids=torch.ones(1, 64, dtype=torch.long), use_cache=False)
+
+    stats, result = measure(run, warm_up)
     if method == "official":
         with torch.no_grad():
             spans = find_key_token(text, model, tokenizer, args.K, args.d)
         result["spans"] = [tuple(map(int, span)) for span in spans.tolist()]
     tokens = len(tokenizer(text).input_ids)
-    return {"tokens": tokens, "seconds": seconds, "peak_mib": peak, **result}
+    return {"tokens": tokens, **stats, **result}
 
 
 def key_characters(spans: list) -> set[int]:
@@ -116,44 +112,22 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         print(json.dumps(_run_child(args.child[0], int(args.child[1]), args)))
         return pd.DataFrame()
 
-    rows = []
     with tempfile.TemporaryDirectory(prefix="longppl-official-") as target:
         pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target, OFFICIAL]
         subprocess.run(pip, check=True)
-        for length in args.lengths:
-            for method in args.methods:
-                command = [
-                    sys.executable,
-                    __file__,
-                    "--model",
-                    args.model,
-                    "--K",
-                    str(args.K),
-                    "--d",
-                    str(args.d),
-                ]
-                command += [
-                    "--threads",
-                    str(args.threads),
-                    "--official-path",
-                    target,
-                    "--child",
-                    method,
-                    str(length),
-                ]
-                done = subprocess.run(command, capture_output=True, text=True)
-                if done.returncode:
-                    raise RuntimeError(f"{method} at {length} failed:\n{done.stderr[-3000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                rows.append({"length": length, "method": method, **result})
-                print(
-                    f"{length:>6} {method:<14} {result['seconds']:7.1f} s {result['peak_mib']:8.0f} MiB",
-                    flush=True,
-                )
-    table = pd.DataFrame(rows)
+        child_args = [
+            "--model",
+            args.model,
+            "--K",
+            str(args.K),
+            "--d",
+            str(args.d),
+            "--threads",
+            str(args.threads),
+        ]
+        jobs = [(method, length) for length in args.lengths for method in args.methods]
+        table = add_ratios(run_children(__file__, [*child_args, "--official-path", target], jobs), "official")
     official = table[table.method == "official"].set_index("length")
-    table["time_vs_official"] = table.seconds / table.length.map(official.seconds)
-    table["memory_vs_official"] = table.peak_mib / table.length.map(official.peak_mib)
     reference = {length: key_characters(spans) for length, spans in official.spans.items()}
     table["n_key_spans"] = table.spans.map(len)
     table["key_chars"] = table.spans.map(lambda spans: len(key_characters(spans)))
@@ -162,13 +136,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         for s, n in zip(table.spans, table.length, strict=True)
     ]
     table["same_spans"] = [s == official.spans[n] for s, n in zip(table.spans, table.length, strict=True)]
-    table = table.drop(columns="spans")
-    print(table.round(3).to_string(index=False))
-    if args.csv:
-        tmp = args.csv.with_suffix(".tmp")
-        table.to_csv(tmp, index=False)
-        tmp.replace(args.csv)
-    return table
+    return report(table.drop(columns="spans"), args.csv)
 
 
 if __name__ == "__main__":
