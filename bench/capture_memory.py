@@ -21,19 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pandas as pd
+from harness import add_ratios, measure, report, run_children
 
 METHODS = ("plain", "information_flow", "naive")
-
-
-def _rss_mib(field: str) -> float:
-    status = Path("/proc/self/status").read_text()
-    return int(status.split(f"{field}:")[1].split()[0]) / 1024
 
 
 def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dict:
@@ -71,15 +64,12 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dic
             flow = torch.stack([(a * a.grad)[0].sum(0)[targets - 1].abs().sum(0) for a in out.attentions])
         assert flow.shape == (model.config.num_hidden_layers, length)
 
+    def warm_up():
+        with torch.no_grad():
+            model(input_ids=ids[:, :64], use_cache=False)
+
     run = {"plain": plain, "information_flow": information_flow, "naive": naive}[method]
-    with torch.no_grad():  # page in the (memory-mapped) weights and warm the kernels
-        model(input_ids=ids[:, :64], use_cache=False)
-    loaded = _rss_mib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
-    start = time.perf_counter()
-    run()
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_mib": _rss_mib("VmHWM") - loaded, "loaded_mib": loaded}
+    return measure(run, warm_up)[0]
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -94,34 +84,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        result = _run_child(args.child[0], int(args.child[1]), args.targets, args.model)
-        print(json.dumps(result))
-        return pd.DataFrame([result])
-
-    rows = []
-    for length in args.lengths:
-        for method in args.methods:
-            command = [sys.executable, __file__, "--model", args.model, "--targets", str(args.targets)]
-            done = subprocess.run(
-                [*command, "--child", method, str(length)], capture_output=True, text=True, check=True
-            )
-            result = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append({"length": length, "method": method, **result})
-            print(
-                f"{length:>6} {method:<17} {result['seconds']:8.1f} s {result['peak_mib']:9.0f} MiB",
-                flush=True,
-            )
-    table = pd.DataFrame(rows)
-    if "plain" in args.methods:
-        plain = table[table.method == "plain"].set_index("length")
-        table["time_vs_plain"] = table.seconds / table.length.map(plain.seconds)
-        table["memory_vs_plain"] = table.peak_mib / table.length.map(plain.peak_mib)
-    print(table.round(2).to_string(index=False))
-    if args.csv:
-        tmp = args.csv.with_suffix(".tmp")
-        table.to_csv(tmp, index=False)
-        tmp.replace(args.csv)
-    return table
+        print(json.dumps(_run_child(args.child[0], int(args.child[1]), args.targets, args.model)))
+        return pd.DataFrame()
+    jobs = [(method, length) for length in args.lengths for method in args.methods]
+    table = run_children(__file__, ["--model", args.model, "--targets", str(args.targets)], jobs)
+    return report(add_ratios(table, "plain") if "plain" in args.methods else table, args.csv)
 
 
 if __name__ == "__main__":

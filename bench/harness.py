@@ -1,0 +1,76 @@
+"""What every benchmark here shares: one child process per measurement, peak RSS, ratios, the CSV.
+
+A benchmark script calls :func:`run_children` from its parent process; each child loads what
+it needs, then calls :func:`measure`, which warms up, resets the kernel's peak-RSS counter
+(``/proc/self/clear_refs``), runs the method once and reports wall time and the peak RSS
+above the warmed-up state. Separate processes keep every peak clean; all rows of one table
+come from one invocation, so their ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `analyses`
+
+from analyses.output import atomic_write  # noqa: E402
+
+
+def rss_mib(field: str = "VmRSS") -> float:
+    """This process's resident memory (``VmRSS``) or its peak since the last reset (``VmHWM``), MiB."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split(f"{field}:")[1].split()[0]) / 1024
+
+
+def measure(run: Callable[[], object], warm_up: Callable[[], object]) -> tuple[dict, object]:
+    """Run ``warm_up`` (page in weights, warm kernels), then time ``run`` once and take its peak RSS."""
+    warm_up()
+    loaded = rss_mib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_mib": rss_mib("VmHWM") - loaded, "loaded_mib": loaded}, result
+
+
+def run_children(script: str, args: list[str], jobs: Iterable[tuple[str, int]]) -> pd.DataFrame:
+    """For each (method, length) run ``script *args --child method length`` and collect its JSON line."""
+    rows = []
+    for method, length in jobs:
+        done = subprocess.run(
+            [sys.executable, script, *args, "--child", method, str(length)], capture_output=True, text=True
+        )
+        if done.returncode:
+            raise RuntimeError(f"{method} at {length} tokens failed:\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append({"length": length, "method": method, **result})
+        print(
+            f"{length:>6} {method:<17} {result['seconds']:8.1f} s {result['peak_mib']:9.0f} MiB", flush=True
+        )
+    return pd.DataFrame(rows)
+
+
+def add_ratios(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Time and peak memory of every row as a ratio of the ``baseline`` method at the same length."""
+    reference = table[table.method == baseline].set_index("length")
+    return table.assign(
+        **{
+            f"time_vs_{baseline}": table.seconds / table.length.map(reference.seconds),
+            f"memory_vs_{baseline}": table.peak_mib / table.length.map(reference.peak_mib),
+        }
+    )
+
+
+def report(table: pd.DataFrame, csv: Path | None) -> pd.DataFrame:
+    """Print the table and, if asked, write it as CSV (atomically)."""
+    print(table.round(3).to_string(index=False))
+    if csv:
+        atomic_write(csv, lambda tmp: table.to_csv(tmp, index=False))
+    return table
