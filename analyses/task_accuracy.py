@@ -66,7 +66,7 @@ def evaluate(model, tokenizer, model_name: str, task: str, length: int, seed: in
 
 
 def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
-    """Mean accuracy, rows = task (in ``tasks.names()`` order), columns = (model as run, length)."""
+    """Mean accuracy, rows = task (in ``tasks.names()`` order), columns = (model, length)."""
     table = results.pivot_table(index="task", columns=["model", "length"], values="correct", aggfunc="mean")
     table = table.reindex(columns=results.model.unique(), level="model")
     return table.reindex([t for t in tasks.names() if t in table.index])
@@ -75,13 +75,14 @@ def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
 def markdown(results: pd.DataFrame) -> str:
     """The accuracy table as GitHub markdown, with the number of samples per cell."""
     table = accuracy_table(results)
-    counts = results.groupby(["model", "length"])["seed"].nunique()
+    counts = results.groupby(["model", "task", "length"])["seed"].nunique()
     header = ["task"] + [f"{model} @ {length}" for model, length in table.columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task, row in table.iterrows():
-        lines.append("| " + " | ".join([task] + [f"{value:.2f}" for value in row]) + " |")
+        cells = ["–" if pd.isna(value) else f"{value:.2f}" for value in row]
+        lines.append("| " + " | ".join([task, *cells]) + " |")
     n = counts.min() if counts.min() == counts.max() else f"{counts.min()}-{counts.max()}"
-    return "\n".join(lines) + f"\n\nGreedy accuracy, {n} samples per cell, random depth.\n"
+    return "\n".join(lines) + f"\n\nGreedy accuracy, {n} samples per cell (– = not run), random depth.\n"
 
 
 def plot(results: pd.DataFrame) -> plt.Figure:
