@@ -9,7 +9,9 @@ FIGURES = ("gaps", "attention_maps", "sinks", "selector_depth", "theory")
 
 
 def test_smoke_run_writes_every_figure(tmp_path):
-    tables = position_bias.main(["--smoke", "--parts", "study", "theory", "--no-progress", "--out", str(tmp_path)])
+    tables = position_bias.main(
+        ["--smoke", "--parts", "study", "theory", "--no-progress", "--out", str(tmp_path)]
+    )
     for name in FIGURES:
         assert (tmp_path / f"position_bias_{name}.png").stat().st_size > 0
         pd.testing.assert_frame_equal(
