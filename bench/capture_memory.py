@@ -19,12 +19,10 @@ tokens.
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+import functools
 
 import pandas as pd
-from harness import add_ratios, measure, report, run_children
+from harness import bench_parser, measure, run_bench
 
 METHODS = ("plain", "information_flow", "naive")
 
@@ -73,22 +71,11 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dic
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser = bench_parser(__doc__, METHODS, [1024, 2048])
     parser.add_argument("--targets", type=int, default=16, help="loss on the last N tokens")
-    parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
-    parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(_run_child(args.child[0], int(args.child[1]), args.targets, args.model)))
-        return pd.DataFrame()
-    jobs = [(method, length) for length in args.lengths for method in args.methods]
-    table = run_children(__file__, ["--model", args.model, "--targets", str(args.targets)], jobs)
-    return report(add_ratios(table, "plain") if "plain" in args.methods else table, args.csv)
+    child = functools.partial(_run_child, n_targets=args.targets, model_name=args.model)
+    return run_bench(args, __file__, ["--targets", str(args.targets)], child, "plain")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,10 @@ the same essay text, and computes the same thing: the head-averaged product over
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+import functools
 
 import pandas as pd
-from harness import add_ratios, measure, report, run_children
+from harness import bench_parser, measure, run_bench
 
 METHODS = ("streamed", "stacked", "eager")
 
@@ -69,22 +67,11 @@ def _run_child(method: str, length: int, model_name: str, threads: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser = bench_parser(__doc__, METHODS, [1024, 2048])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
-    parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(_run_child(args.child[0], int(args.child[1]), args.model, args.threads)))
-        return pd.DataFrame()
-    jobs = [(method, length) for length in args.lengths for method in args.methods]
-    table = run_children(__file__, ["--model", args.model, "--threads", str(args.threads)], jobs)
-    return report(add_ratios(table, "streamed") if "streamed" in args.methods else table, args.csv)
+    child = functools.partial(_run_child, model_name=args.model, threads=args.threads)
+    return run_bench(args, __file__, ["--threads", str(args.threads)], child, "streamed")
 
 
 if __name__ == "__main__":

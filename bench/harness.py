@@ -9,6 +9,7 @@ come from one invocation, so their ratios compare like with like.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -74,3 +75,31 @@ def report(table: pd.DataFrame, csv: Path | None) -> pd.DataFrame:
     if csv:
         atomic_write(csv, lambda tmp: table.to_csv(tmp, index=False))
     return table
+
+
+def bench_parser(doc: str, methods: tuple[str, ...], lengths: list[int]) -> argparse.ArgumentParser:
+    """The options every child-process benchmark takes; scripts add their own on top."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--lengths", type=int, nargs="+", default=lengths)
+    parser.add_argument("--methods", nargs="+", choices=methods, default=list(methods))
+    parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
+    return parser
+
+
+def run_bench(
+    args: argparse.Namespace,
+    script: str,
+    forwarded: list[str],
+    child: Callable[[str, int], dict],
+    baseline: str,
+) -> pd.DataFrame:
+    """In a child: measure ``child(method, length)`` and print it. In the parent: run every
+    (method, length) as a child with ``forwarded`` options, add ratios to ``baseline``, report."""
+    if args.child:
+        print(json.dumps(child(args.child[0], int(args.child[1]))))
+        return pd.DataFrame()
+    jobs = [(method, length) for length in args.lengths for method in args.methods]
+    table = run_children(script, ["--model", args.model, *forwarded], jobs)
+    return report(add_ratios(table, baseline) if baseline in args.methods else table, args.csv)
