@@ -334,4 +334,5 @@ def target_loss(
     if "inputs_embeds" not in forward_kwargs:
         forward_kwargs["input_ids"] = input_ids
     logits = inner(use_cache=False, logits_to_keep=target_positions - 1, **forward_kwargs).logits
-    return torch.nn.functional.cross_entropy(logits[0].float(), input_ids[0, target_positions])
+    logits = logits[0].to(torch.promote_types(logits.dtype, torch.float32))  # upcast half, keep double
+    return torch.nn.functional.cross_entropy(logits, input_ids[0, target_positions])

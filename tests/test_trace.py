@@ -1,5 +1,7 @@
 """The capture core and its probes against eager-attention references (fp32, max abs diff ≤ 1e-5)."""
 
+import copy
+
 import pytest
 import torch
 from reference import eager_forward, embedding_grad_reference, information_flow_reference
@@ -193,5 +195,8 @@ def test_real_smollm2_matches_eager_at_256_tokens(smollm2):
 
     expected_flow = information_flow_reference(model, ids, targets)
     assert (probe.information_flow(model, ids, targets) - expected_flow).abs().max() <= ATOL
-    expected_grad = embedding_grad_reference(model, ids, targets)
-    assert (probe.embedding_grad_norms(model, ids, targets) - expected_grad).abs().max() <= ATOL
+    # Gradient norms here reach ~6, where 1e-5 is ~20 fp32 ulps and the two paths sum in different
+    # orders (full vs kept logits); in float64 the same comparison has no rounding excuse at all.
+    double = copy.deepcopy(model).double()
+    expected_grad = embedding_grad_reference(double, ids, targets)
+    assert (probe.embedding_grad_norms(double, ids, targets) - expected_grad).abs().max() <= 1e-10
