@@ -12,22 +12,13 @@ import torch
 
 from probe.trace import (
     check_input_ids,
+    check_layers,
     check_positions,
     frozen_parameters,
     hf_model,
-    n_layers,
     target_loss,
     trace,
 )
-
-
-def _layer_list(model, layers: Sequence[int] | None) -> list[int]:
-    total = n_layers(model)
-    layers = list(range(total)) if layers is None else list(layers)
-    bad = [layer for layer in layers if not -total <= layer < total]
-    if bad:
-        raise IndexError(f"layers {bad} out of range for a {total}-layer model")
-    return [layer % total for layer in layers]
 
 
 @torch.no_grad()
@@ -41,7 +32,7 @@ def attention_rows(
     """
     ids = check_input_ids(model, input_ids)
     rows = check_positions(rows, ids.shape[1], "rows")
-    layers = _layer_list(model, layers)
+    layers = check_layers(model, layers)
     with frozen_parameters(hf_model(model)), trace(model, rows=rows, layers=layers) as cache:
         hf_model(model)(input_ids=ids, use_cache=False, logits_to_keep=1)
     return cache.stack("pattern", layers)
@@ -62,7 +53,7 @@ def attention_matrices(
     (returns ``None``), so e.g. a product over layers needs memory for one layer at a time.
     """
     ids = check_input_ids(model, input_ids)
-    layers = _layer_list(model, layers)
+    layers = check_layers(model, layers)
     stream = None if on_layer is None else (lambda layer, pattern: on_layer(layer, pattern[0]))
     with (
         frozen_parameters(hf_model(model)),
@@ -93,7 +84,7 @@ def information_flow(
         raise ValueError(f"reduce must be 'sum_then_abs' or 'abs_then_sum', got {reduce!r}")
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
-    layers = _layer_list(model, layers)
+    layers = check_layers(model, layers)
     with (
         frozen_parameters(hf_model(model)),
         torch.enable_grad(),

@@ -27,7 +27,7 @@ import torch
 
 import probe
 from probe.tasks import Sample
-from probe.trace import frozen_parameters, hf_model
+from probe.trace import check_layers, frozen_parameters, hf_model
 
 
 @dataclass
@@ -140,11 +140,6 @@ def top_k_mask(scores: torch.Tensor, k: int, context: int) -> torch.Tensor:
     return flagged
 
 
-def _layers(model, layers) -> list[int]:
-    total = hf_model(model).config.get_text_config().num_hidden_layers
-    return list(range(total)) if layers is None else [layer % total for layer in layers]
-
-
 # --- the detectors ---------------------------------------------------------------------------
 
 
@@ -154,7 +149,7 @@ def attention(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) ->
 
     Flags the ``top_k`` context tokens (CDT §6.1 uses top-30).
     """
-    layers = _layers(model, layers)
+    layers = check_layers(model, layers)
     rows = answer_targets(sample) - 1
     pattern = probe.attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
     per_layer = pattern.sum(dim=1).mean(dim=1)
@@ -179,7 +174,7 @@ def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 3
     and ``details["mass_per_head"]`` the attention-mass variant (mean attention per head).
     Flags the ``top_k`` tokens with the highest score.
     """
-    layers = _layers(model, layers)
+    layers = check_layers(model, layers)
     rows = answer_targets(sample) - 1
     pattern = probe.attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
     context = sample.prompt_length
@@ -214,7 +209,7 @@ def information_flow(
 
     ``details["per_layer"]`` [layers, seq] keeps each layer's score. Flags the ``top_k`` tokens.
     """
-    layers = _layers(model, layers)
+    layers = check_layers(model, layers)
     per_layer = probe.information_flow(model, sample.input_ids, answer_targets(sample), layers, reduce)
     scores = per_layer.sum(dim=0)
     return Detection(

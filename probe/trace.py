@@ -99,6 +99,16 @@ def n_layers(model) -> int:
     return hf_model(model).config.get_text_config().num_hidden_layers
 
 
+def check_layers(model, layers: Sequence[int] | None) -> list[int]:
+    """``layers`` (``None`` = all; negative indices allowed) as non-negative indices, range-checked."""
+    total = n_layers(model)
+    layers = list(range(total)) if layers is None else list(layers)
+    bad = [layer for layer in layers if not -total <= layer < total]
+    if bad:
+        raise IndexError(f"layers {bad} out of range for a {total}-layer model")
+    return [layer % total for layer in layers]
+
+
 def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """``input_ids`` as a LongTensor[1, seq], checked against the model's context length."""
     ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -284,11 +294,7 @@ def trace(
     model's attention never reached the interface.
     """
     inner = hf_model(model)
-    total = n_layers(inner)
-    chosen = range(total) if layers is None else layers
-    bad = [layer for layer in chosen if not -total <= layer < total]
-    if bad:
-        raise IndexError(f"layers {bad} out of range for a {total}-layer model")
+    chosen = check_layers(inner, layers)
     if not inner._can_set_attn_implementation():
         raise UnsupportedModelError(
             f"{type(inner).__name__} does not route attention through transformers' AttentionInterface, "
@@ -300,12 +306,12 @@ def trace(
         if rows.numel() == 0 or int(rows.min()) < 0:
             raise IndexError(f"rows must be non-empty, non-negative query positions, got {rows.tolist()}")
     capture = _Capture(
-        layers=frozenset(layer % total for layer in chosen),
+        layers=frozenset(chosen),
         rows=rows,
         grad=grad,
         block_size=block_size,
         on_pattern=on_pattern,
-        cache=ActivationCache(total),
+        cache=ActivationCache(n_layers(inner)),
     )
     original = inner.config._attn_implementation
     token = _ACTIVE.set(capture)
