@@ -1,27 +1,38 @@
 """longprobe: probes for long-context language models."""
 
 from probe import detectors, metrics
-from probe.attribution import attention_matrices, attention_rows, embedding_grad_norms, information_flow
+from probe.attribution import (
+    attention_matrices,
+    attention_rows,
+    embedding_grad_norms,
+    embedding_grads,
+    information_flow,
+)
 from probe.detectors import Detection, detect
 from probe.graph import context_selector
 from probe.lsd import longppl, token_lsd
 from probe.models import load_model, tiny_model, to_bridge
-from probe.trace import ActivationCache, UnsupportedModelError, target_loss, trace
+from probe.retrieval import RetrievalScores, retrieval_scores
+from probe.trace import ActivationCache, UnsupportedModelError, ablate_heads, target_loss, trace
 
 __all__ = [
     "ActivationCache",
+    "RetrievalScores",
     "Detection",
     "detect",
     "detectors",
     "metrics",
     "UnsupportedModelError",
+    "ablate_heads",
     "attention_matrices",
     "attention_rows",
     "context_selector",
     "embedding_grad_norms",
+    "embedding_grads",
     "information_flow",
     "load_model",
     "longppl",
+    "retrieval_scores",
     "target_loss",
     "tiny_model",
     "to_bridge",

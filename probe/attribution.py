@@ -23,19 +23,38 @@ from probe.trace import (
 
 @torch.no_grad()
 def attention_rows(
-    model, input_ids: torch.Tensor | Sequence[int], rows: Sequence[int], layers: Sequence[int] | None = None
+    model,
+    input_ids: torch.Tensor | Sequence[int],
+    rows: Sequence[int],
+    layers: Sequence[int] | None = None,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query ``rows`` over all keys: Tensor[layers, heads, len(rows), seq].
 
     One forward pass with the fused kernel; only the requested rows are recomputed.
-    GQA models report one pattern per query head.
+    GQA models report one pattern per query head. ``inputs_embeds`` (Tensor[seq, hidden]) replaces
+    the embeddings of ``input_ids`` (e.g. denoised embeddings, CDT eq. 2).
     """
     ids = check_input_ids(model, input_ids)
     rows = check_positions(rows, ids.shape[1], "rows")
     layers = check_layers(model, layers)
+    inputs = _model_inputs(model, ids, inputs_embeds)
     with frozen_parameters(hf_model(model)), trace(model, rows=rows, layers=layers) as cache:
-        hf_model(model)(input_ids=ids, use_cache=False, logits_to_keep=1)
+        hf_model(model)(**inputs, use_cache=False, logits_to_keep=1)
     return cache.stack("pattern", layers)
+
+
+def _model_inputs(model, ids: torch.Tensor, inputs_embeds: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Forward kwargs: ``input_ids``, or ``inputs_embeds`` checked to be Tensor[seq, hidden] for ``ids``."""
+    if inputs_embeds is None:
+        return {"input_ids": ids}
+    hidden = hf_model(model).get_input_embeddings().embedding_dim
+    if inputs_embeds.shape != (ids.shape[1], hidden):
+        raise ValueError(
+            f"inputs_embeds must have shape [seq, hidden] = [{ids.shape[1]}, {hidden}], "
+            f"got {tuple(inputs_embeds.shape)}"
+        )
+    return {"inputs_embeds": inputs_embeds[None].to(hf_model(model).device)}
 
 
 @torch.no_grad()
@@ -97,18 +116,30 @@ def information_flow(
     return saliency.abs().sum(dim=(1, 2))
 
 
-def embedding_grad_norms(
-    model, input_ids: torch.Tensor | Sequence[int], target_positions: Sequence[int], p: float = 2
+def embedding_grads(
+    model,
+    input_ids: torch.Tensor | Sequence[int],
+    target_positions: Sequence[int],
+    inputs_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """‖∂L/∂e_i‖_p for each input embedding e_i: Tensor[seq] (CDT §4.1, the cheap IG proxy).
+    """∂L/∂e_i for each input embedding e_i: Tensor[seq, hidden] (CDT §4.1).
 
     Same loss as :func:`information_flow`; parameters are frozen, so only the gradient with
-    respect to the input embeddings is computed.
+    respect to the input embeddings is computed. ``inputs_embeds`` (Tensor[seq, hidden]) replaces
+    the embeddings of ``input_ids``; the loss still scores the tokens of ``input_ids``.
     """
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
     inner = hf_model(model)
     with frozen_parameters(inner), torch.enable_grad():
-        embeds = inner.get_input_embeddings()(ids).detach().requires_grad_(True)
+        embeds = inner.get_input_embeddings()(ids)[0] if inputs_embeds is None else inputs_embeds
+        embeds = _model_inputs(model, ids, embeds.detach())["inputs_embeds"].requires_grad_(True)
         (grad,) = torch.autograd.grad(target_loss(model, ids, targets, inputs_embeds=embeds), embeds)
-    return grad[0].norm(p=p, dim=-1)
+    return grad[0]
+
+
+def embedding_grad_norms(
+    model, input_ids: torch.Tensor | Sequence[int], target_positions: Sequence[int], p: float = 2
+) -> torch.Tensor:
+    """‖∂L/∂e_i‖_p for each input embedding e_i: Tensor[seq] (CDT §4.1, the cheap IG proxy)."""
+    return embedding_grads(model, input_ids, target_positions).norm(p=p, dim=-1)

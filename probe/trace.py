@@ -19,7 +19,7 @@ implementation, parameter flags and train/eval mode are restored.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -72,6 +72,17 @@ class _Capture:
 
 
 _ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("longprobe_capture", default=None)
+
+
+@dataclass
+class _Ablation:
+    """Query heads whose output is zeroed, by layer, and the layers that were reached."""
+
+    heads: dict[int, list[int]]
+    layers_seen: set[int] = field(default_factory=set)
+
+
+_ABLATED: contextvars.ContextVar[_Ablation | None] = contextvars.ContextVar("longprobe_ablate", default=None)
 
 
 class UnsupportedModelError(TypeError):
@@ -207,8 +218,9 @@ def _capture_attention(
     output, _ = sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
-    capture = _ACTIVE.get()
     layer = getattr(module, "layer_idx", None)
+    output = _ablate(output, layer)
+    capture = _ACTIVE.get()
     if capture is None or layer is None or layer not in capture.layers:
         return output, None
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
@@ -241,13 +253,24 @@ def _capture_attention(
         kv_heads = key.shape[1]
         grouped = pattern.reshape(batch, kv_heads, heads // kv_heads * n_rows, kv_len)
         row_output = (grouped @ value).view(batch, heads, n_rows, -1).transpose(1, 2)
-        output = output.index_copy(1, rows, row_output.to(output.dtype))
+        output = _ablate(output.index_copy(1, rows, row_output.to(output.dtype)), layer)
 
     if capture.on_pattern is not None:
         capture.on_pattern(layer, pattern.detach())
     else:
         capture.cache[HOOK_NAMES["pattern"].format(layer=layer)] = pattern.detach()
     return output, None
+
+
+def _ablate(output: torch.Tensor, layer: int | None) -> torch.Tensor:
+    """``output`` [batch, q, heads, dim] with the heads ablated in ``layer`` set to zero."""
+    ablation = _ABLATED.get()
+    if ablation is None or layer not in ablation.heads:
+        return output
+    ablation.layers_seen.add(layer)
+    keep = torch.ones(output.shape[2], dtype=output.dtype, device=output.device)
+    keep[ablation.heads[layer]] = 0
+    return output * keep[:, None]
 
 
 AttentionInterface.register(IMPLEMENTATION, _capture_attention)
@@ -295,12 +318,6 @@ def trace(
     """
     inner = hf_model(model)
     chosen = check_layers(inner, layers)
-    if not inner._can_set_attn_implementation():
-        raise UnsupportedModelError(
-            f"{type(inner).__name__} does not route attention through transformers' AttentionInterface, "
-            "so longprobe cannot hook it; use an architecture written in the functional attention style "
-            "(Llama, Gemma 3, Qwen, Mistral, ...)"
-        )
     if rows is not None:
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         if rows.numel() == 0 or int(rows.min()) < 0:
@@ -313,19 +330,66 @@ def trace(
         on_pattern=on_pattern,
         cache=ActivationCache(n_layers(inner)),
     )
-    original = inner.config._attn_implementation
     token = _ACTIVE.set(capture)
     try:
-        inner.set_attn_implementation(IMPLEMENTATION)
-        yield capture.cache
+        with _routed(inner):
+            yield capture.cache
     finally:
         _ACTIVE.reset(token)
-        inner.set_attn_implementation(original)
     if capture.layers and not capture.layers_seen:
+        raise _not_reached(inner)
+
+
+@contextmanager
+def ablate_heads(model, heads: Iterable[tuple[int, int]]) -> Iterator[None]:
+    """Zero the output of the given ``(layer, query head)`` pairs in every forward inside the block.
+
+    The head's contribution to the residual stream (its slice of the input to the output
+    projection) is removed, the usual "mask a head" ablation (Wu et al. 2024 instead make the
+    head's attention uniform). Works with ``model.generate`` and inside :func:`trace`; the
+    model's attention implementation is restored on exit, also after an exception.
+    """
+    inner = hf_model(model)
+    config = inner.config.get_text_config()
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in heads:
+        (layer,) = check_layers(inner, [layer])
+        if not 0 <= head < config.num_attention_heads:
+            raise IndexError(f"head {head} out of range for {config.num_attention_heads} query heads a layer")
+        by_layer.setdefault(layer, []).append(head)
+    ablation = _Ablation(by_layer)
+    token = _ABLATED.set(ablation)
+    try:
+        with _routed(inner):
+            yield
+    finally:
+        _ABLATED.reset(token)
+    if by_layer and not ablation.layers_seen:
+        raise _not_reached(inner)
+
+
+@contextmanager
+def _routed(inner: PreTrainedModel) -> Iterator[None]:
+    """Route ``inner``'s attention through longprobe's function for the block; restore it after."""
+    if not inner._can_set_attn_implementation():
         raise UnsupportedModelError(
-            f"no attention call of {type(inner).__name__} reached longprobe's attention function "
-            "(did the block run a forward pass?); the model's attention may not use the AttentionInterface"
+            f"{type(inner).__name__} does not route attention through transformers' AttentionInterface, "
+            "so longprobe cannot hook it; use an architecture written in the functional attention style "
+            "(Llama, Gemma 3, Qwen, Mistral, ...)"
         )
+    original = inner.config._attn_implementation
+    try:
+        inner.set_attn_implementation(IMPLEMENTATION)
+        yield
+    finally:
+        inner.set_attn_implementation(original)
+
+
+def _not_reached(inner: PreTrainedModel) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"no attention call of {type(inner).__name__} reached longprobe's attention function "
+        "(did the block run a forward pass?); the model's attention may not use the AttentionInterface"
+    )
 
 
 def target_loss(

@@ -1,0 +1,182 @@
+"""Retrieval heads of the real models, and whether they are causal for retrieval (Wu et al. 2024).
+
+1. Detection: greedy decoding on needle-in-a-haystack samples over a grid of lengths and depths;
+   :func:`probe.retrieval_scores` scores every (layer, query head) on the correctly answered trials.
+2. Ablation: with the top-k retrieval heads zeroed (:func:`probe.ablate_heads`) versus k random
+   heads from outside the top set, greedy accuracy on held-out passkey / NIAH samples
+   (other seeds, random depths).
+
+Writes, per run, with the CSV behind each figure:
+
+- ``retrieval_heads_{model}.json``: the scores in Wu et al.'s layout ``{"layer-head": [per trial]}``;
+- ``retrieval_heads_scores``: layer x head heatmaps of the mean score, one panel per model;
+- ``retrieval_heads_trials.csv``: every detection trial (answer, generation, correct);
+- ``retrieval_heads_ablation``: accuracy against the number of heads ablated, top vs random.
+
+    python -m analyses.retrieval_heads                     # both models (~30 min on 2 CPU cores)
+    python -m analyses.retrieval_heads --quick             # a few minutes
+    python -m analyses.retrieval_heads --models gemma3-270m --lengths 1024 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from tqdm.auto import tqdm
+
+import probe
+from analyses.detector_compare import answer
+from analyses.output import atomic_write, save_figure
+from probe import tasks
+from probe.detectors import answer_targets
+
+NAME = "retrieval_heads"
+ABLATION_SEED = 1000  # ablation samples use seeds from here on: never the detection samples
+
+
+def detect(model, tokenizer, args: argparse.Namespace) -> probe.RetrievalScores:
+    """Retrieval scores over the grid lengths x depths x needles (seeds) of ``args.task``."""
+    samples = [
+        tasks.make(args.task, tokenizer, length, seed=seed, depth=depth)
+        for length in args.lengths
+        for depth in args.depths
+        for seed in range(args.needles)
+    ]
+    return probe.retrieval_scores(model, tokenizer, samples, progress=True)
+
+
+def ablation(
+    model,
+    tokenizer,
+    ranked: list[tuple[int, int]],
+    task_names: list[str],
+    length: int,
+    n_samples: int,
+    ks: list[int],
+    random_draws: int = 1,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Greedy accuracy with the top-k heads of ``ranked`` ablated vs k random heads outside the top max(ks).
+
+    ``ranked``: (layer, head) pairs, best retrieval score first. Samples use seeds from
+    ``ABLATION_SEED`` on, at random depths. One row per (task, ablated set, k, draw).
+    """
+    top, others = ranked[: max(ks)], ranked[max(ks) :]
+    rng = np.random.default_rng(seed)
+    conditions = [("none", 0, 0, [])]
+    for k in (k for k in ks if k > 0):
+        conditions.append(("retrieval heads", k, 0, top[:k]))
+        for draw in range(random_draws):
+            chosen = rng.choice(len(others), size=min(k, len(others)), replace=False)
+            conditions.append(("random heads", k, draw, [others[i] for i in chosen]))
+    rows = []
+    for task in task_names:
+        samples = [tasks.make(task, tokenizer, length, seed=ABLATION_SEED + i) for i in range(n_samples)]
+        for ablated, k, draw, chosen in tqdm(conditions, desc=f"ablation {task}"):
+            heads = " ".join(f"{layer}-{head}" for layer, head in chosen)
+            with probe.ablate_heads(model, chosen):
+                correct = [s.score(answer(model, tokenizer, s, len(answer_targets(s)) + 4)) for s in samples]
+            rows.append(
+                dict(task=task, ablated=ablated, k=k, draw=draw, heads=heads, accuracy=np.mean(correct))
+            )
+    return pd.DataFrame(rows)
+
+
+def plot_scores(scores: pd.DataFrame) -> plt.Figure:
+    """Layer x head heatmaps of the mean retrieval score, one panel per model."""
+    models = list(scores.model.unique())
+    fig, axes = plt.subplots(1, len(models), figsize=(3 + 2.6 * len(models), 7), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        grid = scores[scores.model == model].pivot(index="layer", columns="head", values="score")
+        sns.heatmap(grid, ax=ax, vmin=0, vmax=max(scores.score.max(), 0.1), cmap="rocket_r",
+                    cbar_kws={"label": "retrieval score"})
+        ax.set(title=model, xlabel="query head", ylabel="layer")
+        ax.tick_params(axis="y", rotation=0)
+    fig.suptitle("Retrieval score per head (Wu et al.): share of the needle copied via its argmax")
+    fig.tight_layout()
+    return fig
+
+
+def plot_ablation(table: pd.DataFrame) -> plt.Figure:
+    """Accuracy vs number of heads ablated: retrieval heads vs random heads, per model and task."""
+    baseline = table[table.ablated == "none"]
+    frame = pd.concat(
+        [table[table.ablated != "none"]]
+        + [baseline.assign(ablated=name) for name in ("retrieval heads", "random heads")]
+    )
+    grid = sns.relplot(
+        frame, x="k", y="accuracy", hue="ablated", style="ablated", col="model", row="task",
+        kind="line", marker="o", errorbar=None, height=3, aspect=1.3, facet_kws={"margin_titles": True},
+    )
+    grid.set_axis_labels("heads ablated (k)", "greedy accuracy")
+    grid.set(ylim=(-0.05, 1.05))
+    grid.figure.suptitle("Ablating the top-k retrieval heads vs k random heads", y=1.03)
+    return grid.figure
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    parser.add_argument("--task", default="niah", choices=["niah", "passkey", "multivalue-niah"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024])
+    parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    parser.add_argument("--needles", type=int, default=2, help="samples (seeds) per length and depth")
+    parser.add_argument("--ablation-tasks", nargs="+", default=["passkey", "niah"])
+    parser.add_argument("--ablation-length", type=int, default=1024)
+    parser.add_argument("--ablation-samples", type=int, default=12)
+    parser.add_argument("--ks", nargs="+", type=int, default=[0, 5, 10, 20], help="numbers of heads ablated")
+    parser.add_argument("--random-draws", type=int, default=1, help="random head sets per k")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random head draws")
+    parser.add_argument("--out", type=Path, default=Path("figures"))
+    parser.add_argument("--quick", action="store_true", help="512 tokens, 3 depths, 6 ablation samples")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lengths, args.depths, args.needles = [512], [0.2, 0.5, 0.8], 1
+        args.ablation_tasks, args.ablation_length = ["passkey"], 512
+        args.ablation_samples, args.ks = 6, [0, 5, 10]
+    if min(args.needles, args.ablation_samples, args.random_draws) < 1:
+        parser.error("--needles, --ablation-samples and --random-draws must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Run detection and ablation for every model; returns (scores, ablation) tables."""
+    args = parse_args(argv)
+    scores, trials, ablations, files = [], [], [], {}
+    for name in args.models:
+        model, tokenizer = probe.load_model(name)
+        context = model.config.get_text_config().max_position_embeddings
+        if max(args.lengths + [args.ablation_length]) > context:
+            raise SystemExit(f"--lengths / --ablation-length exceed {name}'s context of {context} tokens")
+        label = Path(name).name
+        result = detect(model, tokenizer, args)
+        files[label] = result.to_json()
+        scores.append(result.to_frame().assign(model=label))
+        trials.append(result.trials.assign(model=label))
+        ranked = list(result.to_frame()[["layer", "head"]].itertuples(index=False, name=None))
+        table = ablation(
+            model, tokenizer, ranked, args.ablation_tasks, args.ablation_length, args.ablation_samples,
+            args.ks, args.random_draws, args.seed,
+        )
+        ablations.append(table.assign(model=label))
+        print(f"{label}: {result.trials.correct.mean():.0%} of trials correct; LOGO retrieval score "
+              f"{result.logo_score():.3f}; top heads\n{result.top(5).round(3).to_string(index=False)}")
+
+    scores, ablations = pd.concat(scores, ignore_index=True), pd.concat(ablations, ignore_index=True)
+    for label, record in files.items():
+        atomic_write(args.out / f"{NAME}_{label}.json", lambda tmp, r=record: tmp.write_text(json.dumps(r)))
+    atomic_write(args.out / f"{NAME}_trials.csv", lambda tmp: pd.concat(trials).to_csv(tmp, index=False))
+    save_figure(plot_scores(scores), scores, args.out, f"{NAME}_scores")
+    save_figure(plot_ablation(ablations), ablations, args.out, f"{NAME}_ablation")
+    print(ablations.drop(columns="heads").to_string(index=False))
+    return scores, ablations
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Retrieval heads: which attention heads copy the needle into the answer (Wu et al. 2024; LOGO App. B).
+
+A head *retrieves* at a decoding step when the context token it attends most is a token of the
+needle's answer and is the very token being generated (copy-paste). Over greedy decoding of a
+needle-in-a-haystack trial, each such hit adds 1/|answer span|; a head's retrieval score is the
+mean over trials whose answer was correct. Heads above 0.1 are retrieval heads; LOGO's retrieval
+score of a model is the mean of the top 10 of them.
+
+Decoding is efficient: the prompt is prefilled once with the fused attention (no pattern kept),
+then each step feeds one token through the capture core, which recomputes only that query row,
+Tensor[heads, 1, kv] per layer — O(layers·heads·seq) memory, as in Wu et al.'s decode-only trick.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from probe.detectors import answer_targets, token_offsets
+from probe.tasks import Sample
+from probe.trace import check_input_ids, frozen_parameters, hf_model, n_layers, trace
+
+THRESHOLD = 0.1  # Wu et al.: a head that copies at least 10% of the needle is a retrieval head
+TOP = 10  # LOGO App. B: the model's retrieval score is the mean of its top-10 retrieval heads
+
+
+def needle_answer_positions(sample: Sample, tokenizer) -> list[torch.Tensor]:
+    """Token positions of each occurrence of the gold answer inside the supporting spans (the needles).
+
+    One LongTensor per occurrence (a passkey needle states its key twice; LOGO's multi-value
+    needles each hold the shared value). Found by exact character match of ``sample.answer``
+    in the recorded needle text, mapped through the tokenizer's offsets: a token counts if it
+    overlaps the answer's characters.
+    """
+    offsets = torch.tensor(token_offsets(tokenizer, sample))
+    occurrences = []
+    for start, end in sample.char_spans["supporting"]:
+        for match in re.finditer(re.escape(sample.answer), sample.text[start:end], flags=re.IGNORECASE):
+            first, last = start + match.start(), start + match.end()
+            tokens = torch.nonzero((offsets[:, 0] < last) & (offsets[:, 1] > first)).flatten()
+            occurrences.append(tokens)
+    if not occurrences:
+        raise ValueError(
+            f"the gold answer {sample.answer!r} does not occur in the supporting spans of this "
+            f"{sample.task!r} sample; retrieval scores need a needle that states its answer"
+        )
+    return occurrences
+
+
+@dataclass
+class RetrievalScores:
+    """Per-trial retrieval scores of every (layer, query head), and the trials behind them.
+
+    ``scores``: Tensor[trials, layers, heads], Wu et al.'s score of each trial (all trials, also
+    wrong ones). ``trials``: one row per trial (task, length, depth, seed, answer, generated,
+    correct). ``argmax``: per trial, LongTensor[steps, layers, heads], the position each head
+    attended most at each decoding step. ``settings``: what produced them.
+    """
+
+    scores: torch.Tensor
+    trials: pd.DataFrame
+    settings: dict[str, Any]
+    argmax: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """bool Tensor[trials]: the trials that count (correct answer, unless the gate was off)."""
+        if not self.settings.get("require_correct", True):
+            return torch.ones(len(self.scores), dtype=torch.bool)
+        return torch.as_tensor(self.trials["correct"].to_numpy() > 0)
+
+    def mean(self) -> torch.Tensor:
+        """Tensor[layers, heads]: mean score over the counted trials (zeros if none counted)."""
+        counted = self.scores[self.counted]
+        return counted.mean(dim=0) if len(counted) else torch.zeros(self.scores.shape[1:])
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per head: layer, head, score (mean over counted trials), sorted by score."""
+        mean = self.mean()
+        layers, heads = torch.meshgrid(*(torch.arange(n) for n in mean.shape), indexing="ij")
+        frame = pd.DataFrame({"layer": layers.flatten(), "head": heads.flatten(), "score": mean.flatten()})
+        return frame.sort_values("score", ascending=False, kind="stable").reset_index(drop=True)
+
+    def top(self, k: int = TOP) -> pd.DataFrame:
+        """The ``k`` highest-scoring heads."""
+        return self.to_frame().head(k)
+
+    def retrieval_heads(self, threshold: float = THRESHOLD) -> list[tuple[int, int]]:
+        """(layer, head) pairs scoring above ``threshold``, best first."""
+        frame = self.to_frame()
+        return list(frame.loc[frame.score > threshold, ["layer", "head"]].itertuples(index=False, name=None))
+
+    def logo_score(self, threshold: float = THRESHOLD, k: int = TOP) -> float:
+        """LOGO's retrieval score (003, App. B): mean of the top-``k`` heads above ``threshold`` (or 0)."""
+        frame = self.to_frame()
+        above = frame.score[frame.score > threshold].head(k)
+        return float(above.mean()) if len(above) else 0.0
+
+    def to_json(self) -> dict[str, list[float]]:
+        """Wu et al.'s file layout: ``{"layer-head": [score of each counted trial]}``."""
+        counted = self.scores[self.counted]
+        return {
+            f"{layer}-{head}": counted[:, layer, head].tolist()
+            for layer in range(self.scores.shape[1])
+            for head in range(self.scores.shape[2])
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to ``path`` (comparable with the published ``head_score/*.json``)."""
+        Path(path).write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> RetrievalScores:
+        """Read a file in Wu et al.'s layout (ours or a published one); every listed trial counts."""
+        record = json.loads(Path(path).read_text())
+        keys = [tuple(map(int, key.split("-"))) for key in record]
+        layers, heads = max(k[0] for k in keys) + 1, max(k[1] for k in keys) + 1
+        trials = {len(values) for values in record.values()}
+        if len(trials) != 1:
+            raise ValueError(f"{path}: heads list different numbers of trials {sorted(trials)}")
+        scores = torch.zeros(trials.pop(), layers, heads)
+        for (layer, head), values in zip(keys, record.values(), strict=True):
+            scores[:, layer, head] = torch.tensor(values)
+        settings = {"source": str(path), "require_correct": False}
+        return cls(scores, pd.DataFrame(index=range(len(scores))), settings)
+
+
+@torch.no_grad()
+def decode_with_argmax(
+    model, prompt_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding that records where every head looks.
+
+    Returns (generated LongTensor[steps], argmax LongTensor[steps, layers, heads]): at step s the
+    query is the position whose logits produce token s (the last prompt token for s = 0), and
+    ``argmax[s, l, h]`` is the absolute position it attends most in layer l, head h. The prompt
+    minus its last token is prefilled once with the fused attention; each step then runs one
+    token through :func:`probe.trace.trace` capturing that single row. Under a sliding-window
+    cache a layer sees only the last keys; positions are mapped back to the whole sequence.
+    """
+    inner = hf_model(model)
+    ids = check_input_ids(model, prompt_ids)
+    if ids.shape[1] < 2:
+        raise ValueError("the prompt needs at least 2 tokens (one to prefill, one to decode from)")
+    with frozen_parameters(inner):
+        cache = inner(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+        token, length = ids[:, -1:], ids.shape[1]
+        generated, argmax = [], []
+        for _ in range(max_new_tokens):
+            with trace(model, rows=[0]) as captured:
+                out = inner(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            patterns = [captured["pattern", layer][0, :, 0] for layer in range(n_layers(inner))]  # [H, kv]
+            argmax.append(torch.stack([length - p.shape[-1] + p.argmax(-1) for p in patterns]))
+            generated.append(int(token))
+            length += 1
+            if eos_token_id is not None and int(token) == eos_token_id:
+                break
+    return torch.tensor(generated), torch.stack(argmax)
+
+
+def copy_hits(
+    sequence: torch.Tensor, generated: torch.Tensor, argmax: torch.Tensor, needles: list[torch.Tensor]
+) -> torch.Tensor:
+    """Wu et al.'s score of one trial: Tensor[layers, heads].
+
+    ``sequence``: prompt + generated tokens; ``argmax`` [steps, layers, heads]; ``needles``: the
+    answer occurrences. A hit at step s: the attended position lies in a needle answer span and
+    holds the token generated at s; each hit adds 1/|span| (the first occurrence's length).
+    """
+    in_needle = torch.isin(argmax, torch.cat(needles))
+    copied = sequence[argmax] == generated[: len(argmax), None, None]
+    return (in_needle & copied).sum(dim=0) / len(needles[0])
+
+
+def retrieval_scores(
+    model,
+    tokenizer,
+    samples: list[Sample],
+    max_new_tokens: int | None = None,
+    require_correct: bool = True,
+    progress: bool = False,
+) -> RetrievalScores:
+    """Retrieval score of every (layer, query head) over needle ``samples`` (Wu et al. 2024, eq. 5 of LOGO).
+
+    Each sample is decoded greedily from ``sample.prompt_ids`` for ``max_new_tokens`` steps
+    (default: the gold answer's token count + 4) or until EOS, and graded with ``sample.score``.
+    With ``require_correct`` (Wu et al.'s gate) only correctly answered trials count in
+    :meth:`RetrievalScores.mean` and the JSON; per-trial scores of all trials are kept.
+    """
+    if not samples:
+        raise ValueError("retrieval_scores needs at least one needle sample")
+    scores, argmaxes, rows = [], [], []
+    for sample in tqdm(samples, desc="retrieval trials", disable=not progress):
+        needles = needle_answer_positions(sample, tokenizer)
+        steps = len(answer_targets(sample)) + 4 if max_new_tokens is None else max_new_tokens
+        generated, argmax = decode_with_argmax(model, sample.prompt_ids, steps, tokenizer.eos_token_id)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        scores.append(copy_hits(torch.cat([sample.prompt_ids, generated]), generated, argmax, needles))
+        argmaxes.append(argmax)
+        rows.append(
+            dict(
+                task=sample.task,
+                length=sample.length,
+                depth=sample.depth,
+                seed=sample.seed,
+                prompt_tokens=sample.prompt_length,
+                answer=sample.answer,
+                generated=text.strip(),
+                correct=sample.score(text),
+            )
+        )
+    settings = {"max_new_tokens": max_new_tokens, "require_correct": require_correct, "threshold": THRESHOLD}
+    return RetrievalScores(torch.stack(scores), pd.DataFrame(rows), settings, argmaxes)
