@@ -8,6 +8,7 @@ from probe.attribution import (
     embedding_grads,
     information_flow,
 )
+from probe.denoise import noise_restraint
 from probe.detectors import Detection, detect
 from probe.graph import context_selector
 from probe.lsd import longppl, token_lsd
@@ -32,6 +33,7 @@ __all__ = [
     "information_flow",
     "load_model",
     "longppl",
+    "noise_restraint",
     "retrieval_scores",
     "target_loss",
     "tiny_model",
