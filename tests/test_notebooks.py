@@ -12,6 +12,7 @@ TINY_SETTINGS = {
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
     "longppl.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256, "K": 32, "D": 32},
     "noise_restraint.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192},
+    "objectives.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 128, "TRAIN_SAMPLES": 2, "STEPS": 1},
     "position_bias.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 64, "STEPS": 30},
     "retrieval_heads.ipynb": {
         "MODEL": TINY_MODEL, "LENGTHS": [160], "DEPTHS": [0.5], "ABLATION_SAMPLES": 1, "K": 2,
