@@ -140,7 +140,8 @@ def cdt_loss(
     grads = embedding_grads(model, ids, targets)
     critical = critical_tokens(grads.norm(dim=-1), context)
     move = ~critical
-    move[ids.shape[1] if context is None else context :] = False
+    if context is not None:
+        move[context:] = False
     embeds = hf_model(model).get_input_embeddings()(ids)[0]
     denoised = denoised_embeddings(embeds, grads, move, lr, beta)
     loss = target_loss(model, ids, targets, inputs_embeds=denoised[None])
