@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 import seaborn as sns
 import torch
@@ -55,6 +54,7 @@ import probe
 from analyses.output import atomic_write, save_figure
 from analyses.task_accuracy import answer
 from probe import tasks
+from probe.denoise import category_mass
 from probe.detectors import answer_targets, token_categories
 from probe.objectives import cdt_loss, longce_target_loss
 
@@ -112,7 +112,7 @@ def evaluate(model, tokenizer, samples: list[tasks.Sample]) -> list[dict]:
         generated = answer(model, tokenizer, sample)
         targets = answer_targets(sample)
         pattern = probe.attention_rows(model, sample.input_ids, targets - 1)  # [layers, heads, rows, seq]
-        labels = token_categories(sample)
+        mass = category_mass(pattern, token_categories(sample)).mean()  # per category, mean over layers
         with torch.no_grad():
             nll = probe.target_loss(model, sample.input_ids[None], targets).item()
         rows.append(
@@ -121,18 +121,10 @@ def evaluate(model, tokenizer, samples: list[tasks.Sample]) -> list[dict]:
                 "generated": generated.strip(),
                 "correct": sample.score(generated),
                 "answer_nll": nll,
-                **{
-                    f"attention_{c}": attention_mass(pattern, labels, c)
-                    for c in ("supporting", "interference")
-                },
+                **{f"attention_{c}": mass[c] for c in ("supporting", "interference")},
             }
         )
     return rows
-
-
-def attention_mass(pattern: torch.Tensor, labels: np.ndarray, category: str) -> float:
-    """Attention [layers, heads, rows, seq] summed over ``category``'s tokens, mean over the rest."""
-    return pattern[..., torch.from_numpy(labels == category)].sum(-1).mean().item()
 
 
 def plot(results: pd.DataFrame) -> plt.Figure:

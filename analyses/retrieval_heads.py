@@ -8,14 +8,16 @@
 
 Writes, per run, with the CSV behind each figure:
 
-- ``retrieval_heads_{model}.json``: the scores in Wu et al.'s layout ``{"layer-head": [per trial]}``;
+- ``retrieval_heads_{model}.json``: the scores in Wu et al.'s layout ``{"layer-head": [per trial]}``,
+  and ``retrieval_heads_{model}_trials.csv``: every detection trial (answer, generation, correct),
+  both written as soon as the model's detection ends (``--reuse`` reads them back);
 - ``retrieval_heads_scores``: layer x head heatmaps of the mean score, one panel per model;
-- ``retrieval_heads_trials.csv``: every detection trial (answer, generation, correct);
 - ``retrieval_heads_ablation``: accuracy against the number of heads ablated, top vs random.
 
     python -m analyses.retrieval_heads                     # both models (~30 min on 2 CPU cores)
     python -m analyses.retrieval_heads --quick             # a few minutes
     python -m analyses.retrieval_heads --models gemma3-270m --lengths 1024 2048
+    python -m analyses.retrieval_heads --reuse --ks 0 2 5     # new ablation, saved detections
 """
 
 from __future__ import annotations
@@ -128,12 +130,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.3, 0.5, 0.7, 0.9])
     parser.add_argument("--needles", type=int, default=2, help="samples (seeds) per length and depth")
     parser.add_argument("--ablation-tasks", nargs="+", default=["passkey", "niah"])
-    parser.add_argument("--ablation-length", type=int, default=1024)
-    parser.add_argument("--ablation-samples", type=int, default=12)
+    parser.add_argument("--ablation-length", type=int, default=512)
+    parser.add_argument("--ablation-samples", type=int, default=8)
     parser.add_argument("--ks", nargs="+", type=int, default=[0, 5, 10, 20], help="numbers of heads ablated")
     parser.add_argument("--random-draws", type=int, default=1, help="random head sets per k")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random head draws")
     parser.add_argument("--out", type=Path, default=Path("figures"))
+    parser.add_argument("--reuse", action="store_true", help="read detections already in --out")
     parser.add_argument("--quick", action="store_true", help="512 tokens, 3 depths, 6 ablation samples")
     args = parser.parse_args(argv)
     if args.quick:
@@ -145,33 +148,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def detected(
+    model, tokenizer, label: str, args: argparse.Namespace
+) -> tuple[probe.RetrievalScores, pd.DataFrame]:
+    """Detection for one model, written as soon as it is done (JSON + trials CSV); with ``--reuse``
+    read back from ``--out`` instead when both files are there."""
+    scores_file, trials_file = args.out / f"{NAME}_{label}.json", args.out / f"{NAME}_{label}_trials.csv"
+    if args.reuse and scores_file.exists() and trials_file.exists():
+        return probe.RetrievalScores.load(scores_file), pd.read_csv(trials_file)
+    result = detect(model, tokenizer, args)
+    trials = result.trials.assign(model=label)
+    atomic_write(scores_file, lambda tmp: tmp.write_text(json.dumps(result.to_json())))
+    atomic_write(trials_file, lambda tmp: trials.to_csv(tmp, index=False))
+    return result, trials
+
+
 def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Run detection and ablation for every model; returns (scores, ablation) tables."""
     args = parse_args(argv)
-    scores, trials, ablations, files = [], [], [], {}
+    scores, ablations = [], []
     for name in args.models:
         model, tokenizer = probe.load_model(name)
         context = model.config.get_text_config().max_position_embeddings
         if max(args.lengths + [args.ablation_length]) > context:
             raise SystemExit(f"--lengths / --ablation-length exceed {name}'s context of {context} tokens")
         label = Path(name).name
-        result = detect(model, tokenizer, args)
-        files[label] = result.to_json()
+        result, trials = detected(model, tokenizer, label, args)
         scores.append(result.to_frame().assign(model=label))
-        trials.append(result.trials.assign(model=label))
+        print(f"{label}: {trials.correct.mean():.0%} of {len(trials)} trials correct; LOGO retrieval score "
+              f"{result.logo_score():.3f}; top heads\n{result.top(5).round(3).to_string(index=False)}")
         ranked = list(result.to_frame()[["layer", "head"]].itertuples(index=False, name=None))
         table = ablation(
             model, tokenizer, ranked, args.ablation_tasks, args.ablation_length, args.ablation_samples,
             args.ks, args.random_draws, args.seed,
         )
         ablations.append(table.assign(model=label))
-        print(f"{label}: {result.trials.correct.mean():.0%} of trials correct; LOGO retrieval score "
-              f"{result.logo_score():.3f}; top heads\n{result.top(5).round(3).to_string(index=False)}")
 
     scores, ablations = pd.concat(scores, ignore_index=True), pd.concat(ablations, ignore_index=True)
-    for label, record in files.items():
-        atomic_write(args.out / f"{NAME}_{label}.json", lambda tmp, r=record: tmp.write_text(json.dumps(r)))
-    atomic_write(args.out / f"{NAME}_trials.csv", lambda tmp: pd.concat(trials).to_csv(tmp, index=False))
     save_figure(plot_scores(scores), scores, args.out, f"{NAME}_scores")
     save_figure(plot_ablation(ablations), ablations, args.out, f"{NAME}_ablation")
     print(ablations.drop(columns="heads").to_string(index=False))

@@ -23,12 +23,15 @@ def test_retrieval_heads_writes_scores_ablation_and_json(tiny_model_folder, tmp_
         assert not pd.read_csv(tmp_path / f"retrieval_heads_{name}.csv").empty
     record = json.loads((tmp_path / f"retrieval_heads_{tiny_model_folder.name}.json").read_text())
     assert sorted(record) == sorted(f"{layer}-{head}" for layer in range(3) for head in range(4))
-    assert len(pd.read_csv(tmp_path / "retrieval_heads_trials.csv")) == 1
+    assert len(pd.read_csv(tmp_path / f"retrieval_heads_{tiny_model_folder.name}_trials.csv")) == 1
     assert not list(tmp_path.glob(".*tmp*"))
+    reused, _ = retrieval_heads.main([*argv, "--reuse", "--ks", "0"])  # detection read back, not re-run
+    pd.testing.assert_frame_equal(reused, scores, check_dtype=False)
 
 
-def test_bad_settings_are_refused(tiny_model_folder, tmp_path, capsys):
+def test_bad_settings_are_refused(tiny_model_folder, tmp_path):
+    argv = ["--models", str(tiny_model_folder), "--lengths", "9000", "--out", str(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:
-        retrieval_heads.main(["--models", str(tiny_model_folder), "--lengths", "9000", "--out", str(tmp_path)])
+        retrieval_heads.main(argv)
     assert "context" in str(exit_info.value)
     assert not list(tmp_path.iterdir())
