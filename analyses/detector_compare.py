@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
+from analyses.task_accuracy import answer
 from probe import detectors, metrics, tasks
 
 QUICK_DETECTORS = [name for name in detectors.names() if name != "integrated_gradients"]
@@ -41,19 +42,6 @@ SCORE_COLUMNS = {
     "recall_critical": "recall (sup.+interf.)",
     "fact_hit_rate": "fact hit rate (top-k)",
 }
-
-
-def answer(model, tokenizer, sample: tasks.Sample, max_new_tokens: int) -> str:
-    """The model's greedy answer to the sample's prompt."""
-    with torch.no_grad():
-        generated = model.generate(
-            sample.prompt_ids[None].to(model.device),
-            attention_mask=torch.ones(1, sample.prompt_length, dtype=torch.long, device=model.device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.eos_token_id,
-        )
-    return tokenizer.decode(generated[0, sample.prompt_length :], skip_special_tokens=True).strip()
 
 
 def layer_enrichment(per_layer: torch.Tensor, sample: tasks.Sample) -> pd.DataFrame:

@@ -23,8 +23,8 @@ import seaborn as sns
 from tqdm.auto import tqdm
 
 import probe
-from analyses.detector_compare import answer
 from analyses.output import save_figure
+from analyses.task_accuracy import answer
 from probe import denoise, tasks
 
 NAME = "noise_restraint"

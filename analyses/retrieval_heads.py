@@ -33,10 +33,9 @@ import seaborn as sns
 from tqdm.auto import tqdm
 
 import probe
-from analyses.detector_compare import answer
 from analyses.output import atomic_write, save_figure
+from analyses.task_accuracy import answer
 from probe import tasks
-from probe.detectors import answer_targets
 
 NAME = "retrieval_heads"
 ABLATION_SEED = 1000  # ablation samples use seeds from here on: never the detection samples
@@ -83,7 +82,7 @@ def ablation(
         for ablated, k, draw, chosen in tqdm(conditions, desc=f"ablation {task}"):
             heads = " ".join(f"{layer}-{head}" for layer, head in chosen)
             with probe.ablate_heads(model, chosen):
-                correct = [s.score(answer(model, tokenizer, s, len(answer_targets(s)) + 4)) for s in samples]
+                correct = [s.score(answer(model, tokenizer, s)) for s in samples]
             rows.append(
                 dict(task=task, ablated=ablated, k=k, draw=draw, heads=heads, accuracy=np.mean(correct))
             )
