@@ -105,7 +105,8 @@ def plot_scores(scores: pd.DataFrame) -> plt.Figure:
 
 
 def plot_ablation(table: pd.DataFrame) -> plt.Figure:
-    """Accuracy vs number of heads ablated: retrieval heads vs random heads, per model and task."""
+    """Accuracy vs number of heads ablated: retrieval heads vs random heads (mean and range over the
+    random draws), per model and task."""
     baseline = table[table.ablated == "none"]
     frame = pd.concat(
         [table[table.ablated != "none"]]
@@ -113,11 +114,13 @@ def plot_ablation(table: pd.DataFrame) -> plt.Figure:
     )
     grid = sns.relplot(
         frame, x="k", y="accuracy", hue="ablated", style="ablated", col="model", row="task",
-        kind="line", marker="o", errorbar=None, height=3, aspect=1.3, facet_kws={"margin_titles": True},
+        kind="line", marker="o", errorbar=("pi", 100), height=3, aspect=1.3,
+        facet_kws={"margin_titles": True},
     )
     grid.set_axis_labels("heads ablated (k)", "greedy accuracy")
     grid.set(ylim=(-0.05, 1.05))
-    grid.figure.suptitle("Ablating the top-k retrieval heads vs k random heads", y=1.03)
+    title = "Ablating the top-k retrieval heads vs k random heads (band: range over random draws)"
+    grid.figure.suptitle(title, y=1.03)
     return grid.figure
 
 
