@@ -185,6 +185,9 @@ def short_logprobs(
                 target_logprobs(model, hidden.reshape(-1, hidden.shape[-1]), windows[:, K:].reshape(-1))
             )
             scored += [torch.arange(first, end) for _, first, end in batch]
+    if not parts:  # no wanted position has a short context: nothing scored
+        none = torch.empty(0, device=ids.device)
+        return _scattered(LogProbs(none, none), none.long(), len(ids))
     scores = LogProbs(*(torch.cat(p) for p in zip(*parts, strict=True)))
     return _scattered(scores, torch.cat(scored).to(ids.device), len(ids))
 

@@ -64,7 +64,7 @@ def longce_target_loss(
     logprobs = target_logprobs(model, hidden, ids[0, targets]).target
     lsd = torch.full_like(logprobs, float("nan"))  # t ≤ K: no short context, weight 1
     far = targets > K
-    if far.any():  # (probe.lsd.short_logprobs fails when no position has a short context)
+    if far.any():  # no short pass at all when every target is within K of the start
         short = short_logprobs(model, ids, K, d, positions=targets[far]).target
         lsd[far] = logprobs[far] - short[targets[far]]
     return -(longce_weights(lsd, gamma) * logprobs).mean()

@@ -63,6 +63,13 @@ def test_exact_mode_equals_per_token_truncation(tiny, ids):
         assert scores.target[t].item() == pytest.approx(truncated_logprob(tiny, ids, t - K, t), abs=1e-5)
 
 
+def test_positions_without_a_short_context_score_nan(tiny, ids):
+    scores = lsd.short_logprobs(tiny, ids, K=12, d=4, positions=[3, 12])  # both t <= K
+    assert scores.target.isnan().all() and scores.top.isnan().all()
+    some = lsd.short_logprobs(tiny, ids, K=12, d=4, positions=[3, 20])
+    assert some.target.isfinite().sum() >= 1 and some.target[3].isnan()
+
+
 def test_official_first_block_sees_its_whole_prefix(tiny, ids):
     lsd_values, lcl = lsd.lsd_scores(tiny, ids, K=10, d=8, official=True)
     torch.testing.assert_close(lsd_values[10:18], torch.zeros(8), atol=1e-5, rtol=0)
