@@ -27,7 +27,8 @@ samples of a step:
 Before (the base model) and after each fine-tuning, on held-out samples (other seeds): greedy
 accuracy, the answer's teacher-forced NLL, and the attention mass from the rows predicting the
 answer onto the supporting-fact tokens (and, as a control, onto the interference-fact tokens):
-summed over those tokens, mean over heads, rows and all layers (:func:`probe.attention_rows`).
+summed over those tokens, mean over heads, rows and all layers (one forward pass with the NLL,
+:func:`probe.denoise.answer_attention`).
 
 Writes ``objectives.png`` + ``objectives.csv`` (one row per held-out sample and model, with the
 settings and the wall time) and ``objectives_training.csv`` (every training sample's loss).
@@ -54,9 +55,10 @@ import probe
 from analyses.output import atomic_write, save_figure
 from analyses.task_accuracy import answer
 from probe import tasks
-from probe.denoise import category_mass
+from probe.denoise import answer_attention, category_mass
 from probe.detectors import answer_targets, token_categories
 from probe.objectives import cdt_loss, longce_target_loss
+from probe.trace import check_layers
 
 NAME = "objectives"
 TASK = "multihop-1"
@@ -110,11 +112,9 @@ def evaluate(model, tokenizer, samples: list[tasks.Sample]) -> list[dict]:
     rows = []
     for sample in samples:
         generated = answer(model, tokenizer, sample)
-        targets = answer_targets(sample)
-        pattern = probe.attention_rows(model, sample.input_ids, targets - 1)  # [layers, heads, rows, seq]
+        layers = check_layers(model, None)
+        pattern, nll = answer_attention(model, sample.input_ids, answer_targets(sample), layers)
         mass = category_mass(pattern, token_categories(sample)).mean()  # per category, mean over layers
-        with torch.no_grad():
-            nll = probe.target_loss(model, sample.input_ids[None], targets).item()
         rows.append(
             {
                 "seed": sample.seed,

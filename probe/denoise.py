@@ -17,7 +17,7 @@ import torch
 
 from probe.attribution import embedding_grads
 from probe.detectors import answer_targets, token_categories
-from probe.objectives import critical_tokens, denoised_embeddings
+from probe.objectives import denoised_embeddings, noise_tokens
 from probe.tasks import CATEGORIES, Sample
 from probe.trace import check_layers, frozen_parameters, hf_model, target_loss, trace
 
@@ -47,9 +47,7 @@ def moved_tokens(sample: Sample, move: str | torch.Tensor, grads: torch.Tensor) 
             raise ValueError(f"move must be a bool Tensor[{seq}], got {move.dtype} {tuple(move.shape)}")
         return move
     if move == "detected":
-        moved = ~critical_tokens(grads.norm(dim=-1), context=sample.prompt_length)
-        moved[sample.prompt_length :] = False
-        return moved
+        return noise_tokens(grads.norm(dim=-1), context=sample.prompt_length)
     if move not in MOVES:
         raise ValueError(f"move must be one of {[*MOVES, 'detected']} or a bool mask, got {move!r}")
     return torch.from_numpy(np.isin(token_categories(sample), MOVES[move]))
@@ -130,19 +128,25 @@ COLUMNS = [
 
 
 def answer_attention(
-    model, input_ids: torch.Tensor, targets: torch.Tensor, layers: list[int], embeds: torch.Tensor
+    model,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    layers: list[int],
+    embeds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """One forward pass on ``embeds`` (Tensor[seq, hidden]): (attention of the answer rows, L).
+    """One forward pass: (attention of the answer rows, L).
 
     The attention is Tensor[layers, heads, rows, seq] for rows ``targets − 1``, as
     :func:`probe.attention_rows` gives it; L is the mean cross-entropy of the tokens at ``targets``.
-    Capturing both in one pass halves the forward passes of a sweep.
+    ``embeds`` (Tensor[seq, hidden]) replaces the embeddings of ``input_ids``. Capturing both in
+    one pass halves the forward passes of a sweep.
     """
     inner = hf_model(model)
+    inputs = {} if embeds is None else {"inputs_embeds": embeds[None]}
     with (
         frozen_parameters(inner),
         torch.no_grad(),
         trace(model, rows=targets - 1, layers=layers) as cache,
     ):
-        loss = target_loss(model, input_ids[None], targets, inputs_embeds=embeds[None])
+        loss = target_loss(model, input_ids[None], targets, **inputs)
     return cache.stack("pattern", layers), float(loss)

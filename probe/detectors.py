@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 
 import probe
+from probe.objectives import critical_tokens
 from probe.tasks import Sample
 from probe.trace import check_layers, frozen_parameters, hf_model
 
@@ -195,10 +196,7 @@ def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 3
 def embedding_grad(model, tokenizer, sample: Sample, p: float = 2) -> Detection:
     """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean."""
     scores = probe.embedding_grad_norms(model, sample.input_ids, answer_targets(sample), p=p)
-    context = sample.prompt_length
-    flagged = torch.zeros(len(scores), dtype=torch.bool)
-    flagged[:context] = scores[:context] >= scores[:context].mean()
-    return Detection("embedding_grad", scores, flagged, {"p": p})
+    return Detection("embedding_grad", scores, critical_tokens(scores, sample.prompt_length), {"p": p})
 
 
 @register("information_flow")

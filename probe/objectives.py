@@ -33,6 +33,7 @@ __all__ = [
     "longce_loss",
     "longce_target_loss",
     "longce_weights",
+    "noise_tokens",
     "sequence_logprob",
 ]
 
@@ -87,6 +88,18 @@ def critical_tokens(grad_norms: torch.Tensor, context: int | None = None) -> tor
     return critical
 
 
+def noise_tokens(grad_norms: torch.Tensor, context: int | None = None) -> torch.Tensor:
+    """The tokens CDT moves: bool Tensor[seq], the first ``context`` tokens that are not critical.
+
+    ~I(x_i) of eq. 1 (:func:`critical_tokens`) restricted to the context: tokens at or after
+    ``context`` (e.g. the answer) are never moved.
+    """
+    noise = ~critical_tokens(grad_norms, context)
+    if context is not None:
+        noise[context:] = False
+    return noise
+
+
 def denoised_embeddings(
     embeds: torch.Tensor, grads: torch.Tensor, move: torch.Tensor, lr: float, beta: float = 5.0
 ) -> torch.Tensor:
@@ -127,8 +140,8 @@ def cdt_loss(
        from row t − 1), parameters frozen (:func:`probe.embedding_grads`): Tensor[seq, hidden].
     2. I(x_i) = :func:`critical_tokens` of ‖∇E(x_i)‖₂ over the first ``context`` tokens (eq. 1).
     3. E' = :func:`denoised_embeddings` moving the noise tokens, ``move = ~I`` (the text's reading
-       of eq. 2), with the learning rate ``lr`` and β (paper: 5). Tokens at or after ``context``
-       (the response, when ``context`` is the prompt length) are not moved.
+       of eq. 2; :func:`noise_tokens`), with the learning rate ``lr`` and β (paper: 5). Tokens at
+       or after ``context`` (the response, when ``context`` is the prompt length) are not moved.
     4. L_CDT = cross-entropy of the targets with E' as the model input (eq. 3).
 
     The shift lr·β·∇E is a constant (no second-order gradient); E itself keeps its graph, so the
@@ -138,10 +151,8 @@ def cdt_loss(
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1).to(ids.device)
     grads = embedding_grads(model, ids, targets)
-    critical = critical_tokens(grads.norm(dim=-1), context)
-    move = ~critical
-    if context is not None:
-        move[context:] = False
+    norms = grads.norm(dim=-1)
+    critical, move = critical_tokens(norms, context), noise_tokens(norms, context)
     embeds = hf_model(model).get_input_embeddings()(ids)[0]
     denoised = denoised_embeddings(embeds, grads, move, lr, beta)
     loss = target_loss(model, ids, targets, inputs_embeds=denoised[None])

@@ -13,6 +13,7 @@ from probe.objectives import (
     denoised_embeddings,
     logo_loss,
     longce_target_loss,
+    noise_tokens,
     sequence_logprob,
 )
 
@@ -42,6 +43,13 @@ def test_critical_tokens_of_a_small_vector():
     for bad in (0, 6):
         with pytest.raises(ValueError, match="context"):
             critical_tokens(norms, context=bad)
+
+
+def test_noise_tokens_are_the_non_critical_context_tokens():
+    norms = torch.tensor([1.0, 3.0, 2.0, 0.0, 10.0])
+    assert noise_tokens(norms).tolist() == [True, True, True, True, False]
+    # the token after the context is neither critical nor moved
+    assert noise_tokens(norms, context=4).tolist() == [True, False, False, True, False]
 
 
 def test_denoised_embeddings_moves_only_the_masked_rows_by_lr_beta_grad():
