@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
-from analyses.task_accuracy import answer
 from probe import detectors, metrics, tasks
+from probe.generation import answer
 
 QUICK_DETECTORS = [name for name in detectors.names() if name != "integrated_gradients"]
 LAYER_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")

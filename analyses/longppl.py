@@ -8,7 +8,7 @@
    LSD > α alone and LSD > α and LCL > β classify answer vs non-answer tokens (paper: 85.6 % / 98.2 %).
 2. **LongPPL vs PPL as predictors** (Table 1, Fig. 1b). Model variants with different long-context
    ability — SmolLM2 and Gemma 3 with attention limited to the last W tokens
-   (:func:`probe.lsd.attention_window`) — get PPL, LongPPL and LongPPL-soft on Paul Graham essay
+   (:func:`probe.probe.attention_window`) — get PPL, LongPPL and LongPPL-soft on Paul Graham essay
    text, key tokens chosen by one fixed evaluator (full Gemma 3; SmolLM2's tokens are aligned by
    characters), and teacher-forced accuracy on passkey (and, in full runs, lines and multihop-1)
    at the same length; Pearson correlations across variants.
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
     variants = [(m, w) for m in args.variant_models for w in args.windows]
     for name, window in tqdm(variants, desc="variants"):
         net, tokenizer = model(name)
-        with lsd.attention_window(net, window):
+        with probe.attention_window(net, window):
             results = [lsd.longppl(k.text, net, tokenizer, key_tokens=k) for k in keys]
             accuracy = {
                 task: task_accuracy(net, tokenizer, task, args.length, args.task_samples)

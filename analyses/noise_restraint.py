@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import save_figure
-from analyses.task_accuracy import answer
 from probe import denoise, tasks
+from probe.generation import answer
 
 NAME = "noise_restraint"
 STEPS = [0.001, 0.01, 0.1, 1.0, 10.0]  # lr·β, from "the loss barely moves" to "the input is destroyed"

@@ -53,12 +53,12 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
-from analyses.task_accuracy import answer
 from probe import tasks
+from probe.capture import check_layers
 from probe.denoise import answer_attention, category_mass
 from probe.detectors import answer_targets, token_categories
+from probe.generation import answer
 from probe.objectives import cdt_loss, longce_target_loss
-from probe.trace import check_layers
 
 NAME = "objectives"
 TASK = "multihop-1"

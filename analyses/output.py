@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
@@ -11,18 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-
-def atomic_write(path: Path, write) -> Path:
-    """Call ``write(tmp_path)``, then rename the temporary file onto ``path`` (same folder)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+from probe.results import atomic_write  # noqa: E402
 
 
 def save_figure(fig: plt.Figure, table: pd.DataFrame, out: Path, name: str) -> Path:

@@ -40,9 +40,9 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import save_figure
-from analyses.task_accuracy import answer
 from probe import graph, tasks
 from probe.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, train
+from probe.generation import answer
 from probe.tasks.classification import InContextClassification
 from probe.tasks.noise import sentences
 

@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
-from analyses.task_accuracy import answer
 from probe import tasks
+from probe.generation import answer
 
 NAME = "retrieval_heads"
 ABLATION_SEED = 1000  # ablation samples use seeds from here on: never the detection samples

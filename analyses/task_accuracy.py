@@ -23,33 +23,15 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
-import torch
 from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
 from probe import tasks
+from probe.generation import answer
 
 NAME = "task_accuracy"
 KEYS = ["model", "task", "length", "seed"]
-
-
-def answer(model, tokenizer, sample: tasks.Sample, max_new_tokens: int | None = None) -> str:
-    """The model's greedy continuation of ``sample``'s prompt, decoded and stripped.
-
-    At most ``max_new_tokens`` new tokens (default: the gold answer's token count + 4).
-    """
-    (start, end), *_ = sample.spans["answer"]
-    prompt = sample.prompt_ids[None].to(model.device)
-    with torch.inference_mode():
-        generated = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=end - start + 4 if max_new_tokens is None else max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
-        )
-    return tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True).strip()
 
 
 def evaluate(model, tokenizer, model_name: str, task: str, length: int, seed: int) -> dict:

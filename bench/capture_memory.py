@@ -32,8 +32,8 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dic
     import torch
 
     import probe
+    from probe.capture import frozen_parameters, target_loss
     from probe.tasks.noise import sentences
-    from probe.trace import frozen_parameters, target_loss
 
     torch.set_num_threads(2)
     model, tokenizer = probe.load_model(model_name)

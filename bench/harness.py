@@ -21,7 +21,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `analyses`
 
-from analyses.output import atomic_write  # noqa: E402
+from probe.results import atomic_write  # noqa: E402
 
 
 def rss_mib(field: str = "VmRSS") -> float:

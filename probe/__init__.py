@@ -8,13 +8,14 @@ from probe.attribution import (
     embedding_grads,
     information_flow,
 )
+from probe.capture import ActivationCache, UnsupportedModelError, ablate_heads, target_loss, trace
 from probe.denoise import noise_restraint
 from probe.detectors import Detection, detect
+from probe.generation import answer
 from probe.graph import context_selector
 from probe.lsd import longppl, token_lsd
 from probe.models import load_model, tiny_model, to_bridge
 from probe.retrieval import RetrievalScores, retrieval_scores
-from probe.trace import ActivationCache, UnsupportedModelError, ablate_heads, target_loss, trace
 
 __all__ = [
     "ActivationCache",
@@ -25,6 +26,7 @@ __all__ = [
     "metrics",
     "UnsupportedModelError",
     "ablate_heads",
+    "answer",
     "attention_matrices",
     "attention_rows",
     "context_selector",

@@ -1,6 +1,6 @@
 """Attention rows, full attention matrices, information flow and embedding gradients.
 
-Every function here reads attention through :func:`probe.trace.trace`; none holds
+Every function here reads attention through :func:`probe.capture.trace`; none holds
 full-vocabulary logits or all layers' full attention matrices.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from probe.trace import (
+from probe.capture import (
     check_input_ids,
     check_layers,
     check_positions,

@@ -16,10 +16,10 @@ import pandas as pd
 import torch
 
 from probe.attribution import embedding_grads
+from probe.capture import check_layers, frozen_parameters, hf_model, target_loss, trace
 from probe.detectors import answer_targets, token_categories
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.tasks import CATEGORIES, Sample
-from probe.trace import check_layers, frozen_parameters, hf_model, target_loss, trace
 
 #: Ground-truth categories moved by each named ``move`` (``"detected"``: see :func:`moved_tokens`).
 #: ``"noise"`` moves CDT's irrelevant tokens (§3.1: book text and low-frequency words); the critical

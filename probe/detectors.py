@@ -26,9 +26,9 @@ import pandas as pd
 import torch
 
 import probe
+from probe.capture import check_layers, frozen_parameters, hf_model
 from probe.objectives import critical_tokens
 from probe.tasks import Sample
-from probe.trace import check_layers, frozen_parameters, hf_model
 
 
 @dataclass

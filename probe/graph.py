@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from probe.attribution import attention_matrices
-from probe.trace import check_input_ids, frozen_parameters, hf_model, n_layers
+from probe.capture import check_input_ids, frozen_parameters, hf_model, n_layers
 
 Mix = float | str | None
 

@@ -31,9 +31,7 @@ offsets get them rebuilt by decoding (:func:`decoded_offsets`).
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -41,17 +39,9 @@ import numpy as np
 import pandas as pd
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import AttentionInterface, PreTrainedTokenizerBase
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import (
-    AttentionMaskInterface,
-    and_masks,
-    causal_mask_function,
-    sdpa_mask,
-    sliding_window_overlay,
-)
+from transformers import PreTrainedTokenizerBase
 
-from probe.trace import check_input_ids, check_positions, hf_model
+from probe.capture import check_input_ids, check_positions, hf_model
 
 HEAD_CHUNK_ELEMENTS = 2**25  # logits materialized at once (rows × vocab): 128 MiB in fp32
 BATCH_TOKENS = 8192  # tokens per batched forward pass of short-context windows
@@ -508,47 +498,3 @@ def longce_loss(
     logprobs = target_logprobs(model, hidden, ids[0, 1:]).target
     short = short_logprobs(model, ids, K, d).target[1:]
     return -(longce_weights(logprobs - short, gamma) * logprobs).mean()
-
-
-# --------------------------------------------------------------------------- attention windows
-
-WINDOW_IMPLEMENTATION = "longprobe_window"
-_WINDOW: contextvars.ContextVar[int | None] = contextvars.ContextVar("longprobe_window", default=None)
-
-
-def _window_mask(*, mask_function=causal_mask_function, allow_is_causal_skip: bool = True, **kwargs):
-    """sdpa's mask with the active window overlaid: each query sees its last ``window`` keys (itself too)."""
-    window = _WINDOW.get()
-    if window is not None:
-        mask_function = and_masks(mask_function, sliding_window_overlay(window))
-        allow_is_causal_skip = False
-    return sdpa_mask(mask_function=mask_function, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
-
-
-AttentionInterface.register(WINDOW_IMPLEMENTATION, sdpa_attention_forward)
-AttentionMaskInterface.register(WINDOW_IMPLEMENTATION, _window_mask)
-
-
-@contextmanager
-def attention_window(model, window: int | None) -> Iterator[None]:
-    """Limit every attention layer of ``model`` to the last ``window`` tokens inside the block.
-
-    A model variant with shorter reach (the receptive field still grows by ``window`` per layer, as in
-    sliding-window models); layers that already have a sliding window keep the smaller one. Works
-    with generation (KV cache). ``window=None``: unchanged. On exit the attention implementation is
-    restored. (A :func:`probe.trace` inside the block would switch the window off.)
-    """
-    if window is None:
-        yield
-        return
-    if window < 1:
-        raise ValueError(f"window must be at least 1 token, got {window}")
-    inner = hf_model(model)
-    original = inner.config._attn_implementation
-    token = _WINDOW.set(window)
-    try:
-        inner.set_attn_implementation(WINDOW_IMPLEMENTATION)
-        yield
-    finally:
-        _WINDOW.reset(token)
-        inner.set_attn_implementation(original)

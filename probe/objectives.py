@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from probe.attribution import embedding_grads
+from probe.capture import check_input_ids, check_positions, hf_model, target_loss
 from probe.lsd import final_hidden_states, longce_loss, longce_weights, short_logprobs, target_logprobs
-from probe.trace import check_input_ids, check_positions, hf_model, target_loss
 
 __all__ = [
     "CDTLoss",
@@ -169,7 +169,7 @@ def sequence_logprob(
 
     ``prompt_ids`` x is [prompt] (at least one token), ``response_ids`` y is [response]; the
     model reads x + y once and only the |y| rows predicting y reach the vocabulary projection
-    (``logits_to_keep``, via :func:`probe.trace.target_loss`). The sum carries gradients.
+    (``logits_to_keep``, via :func:`probe.capture.target_loss`). The sum carries gradients.
     """
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
     response = torch.as_tensor(response_ids, dtype=torch.long).reshape(-1)

@@ -23,9 +23,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from probe.capture import check_input_ids, frozen_parameters, hf_model, n_layers, trace
 from probe.detectors import answer_targets, token_offsets
 from probe.tasks import Sample
-from probe.trace import check_input_ids, frozen_parameters, hf_model, n_layers, trace
 
 THRESHOLD = 0.1  # Wu et al.: a head that copies at least 10% of the needle is a retrieval head
 TOP = 10  # LOGO App. B: the model's retrieval score is the mean of its top-10 retrieval heads
@@ -142,7 +142,7 @@ def decode_with_argmax(
     query is the position whose logits produce token s (the last prompt token for s = 0), and
     ``argmax[s, l, h]`` is the absolute position it attends most in layer l, head h. The prompt
     minus its last token is prefilled once with the fused attention; each step then runs one
-    token through :func:`probe.trace.trace` capturing that single row. Under a sliding-window
+    token through :func:`probe.capture.trace` capturing that single row. Under a sliding-window
     cache a layer sees only the last keys; positions are mapped back to the whole sequence.
     """
     inner = hf_model(model)

@@ -267,7 +267,7 @@ def test_attention_window_equals_truncation_in_one_layer(ids):
     model.model.layers = model.model.layers[:1]  # one layer: its reach is the window exactly
     model.config.num_hidden_layers = 1
     window = 9
-    with lsd.attention_window(model, window):
+    with probe.attention_window(model, window):
         windowed = full_logprobs(model, ids)
     for t in (3, 9, 30, SEQ - 1):
         reference = full_logprobs(model, ids[max(0, t - window + 1) : t + 1])[-1]
@@ -276,21 +276,21 @@ def test_attention_window_equals_truncation_in_one_layer(ids):
 
 def test_attention_window_changes_attention_and_is_restored(tiny, ids):
     before = full_logprobs(tiny, ids)
-    with lsd.attention_window(tiny, 4):
-        assert tiny.config._attn_implementation == lsd.WINDOW_IMPLEMENTATION
+    with probe.attention_window(tiny, 4):
+        assert tiny.config._attn_implementation == probe.capture.IMPLEMENTATION
         windowed = full_logprobs(tiny, ids)
         generated = tiny.generate(ids[None, :20], max_new_tokens=3, do_sample=False)
     torch.testing.assert_close(windowed[:4], before[:4], atol=1e-5, rtol=0)  # the first 4 see no more
     assert (windowed[10:] - before[10:]).abs().max() > 1e-2
     assert tiny.config._attn_implementation == "sdpa"
     torch.testing.assert_close(full_logprobs(tiny, ids), before)
-    with lsd.attention_window(tiny, 4):  # generation under the window = greedy on windowed logits
+    with probe.attention_window(tiny, 4):  # generation under the window = greedy on windowed logits
         step = full_logprobs(tiny, generated[0, :20]).argmax(-1)[-1]
     assert generated[0, 20] == step
-    with pytest.raises(RuntimeError), lsd.attention_window(tiny, 4):
+    with pytest.raises(RuntimeError), probe.attention_window(tiny, 4):
         raise RuntimeError
     assert tiny.config._attn_implementation == "sdpa"
-    with lsd.attention_window(tiny, SEQ):
+    with probe.attention_window(tiny, SEQ):
         torch.testing.assert_close(full_logprobs(tiny, ids), before, atol=1e-5, rtol=0)
 
 

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
 
 from probe.tasks.sample import Unit
 
@@ -59,3 +61,34 @@ def emoji(rng: np.random.Generator, count: int) -> list[str]:
 def noise_units(rng: np.random.Generator):
     """Essay sentences as filler units of category ``noise``."""
     return (Unit(sentence, "noise") for sentence in sentence_stream(rng))
+
+
+def essay_ids(tokenizer: PreTrainedTokenizerBase, length: int, count: int = 1) -> list[torch.Tensor]:
+    """``count`` disjoint windows of exactly ``length`` tokens of essay text: LongTensor[length] each.
+
+    Window ``w`` tokenizes sentences ``w·length … (w+1)·length − 1`` (a sentence holds at least one
+    token, so that is enough text) with the tokenizer's special tokens, and keeps its first ``length``.
+    """
+    pool = sentences()
+    if count * length > len(pool):
+        raise ValueError(
+            f"the essays hold {len(pool)} sentences, too few for {count} windows of {length} tokens"
+        )
+    windows = []
+    for window in range(count):
+        text = " ".join(pool[window * length : (window + 1) * length])
+        windows.append(tokenizer(text, return_tensors="pt").input_ids[0, :length])
+    return windows
+
+
+def essay_documents(tokenizer: PreTrainedTokenizerBase, length: int, count: int = 1) -> list[str]:
+    """``count`` disjoint runs of consecutive essay sentences, each the longest within ``length`` tokens."""
+    documents, current = [], []
+    for sentence in sentences():
+        current.append(sentence)
+        if len(tokenizer(" ".join(current)).input_ids) > length:
+            documents.append(" ".join(current[:-1]))
+            current = []
+            if len(documents) == count:
+                return documents
+    raise ValueError(f"the essays hold fewer than {count} documents of {length} tokens")

@@ -1,0 +1,27 @@
+"""Greedy answering: the one way every analysis, notebook and probe lets a model answer a sample."""
+
+from __future__ import annotations
+
+import torch
+
+from probe.capture import hf_model
+from probe.tasks import Sample
+
+
+def answer(model, tokenizer, sample: Sample, max_new_tokens: int | None = None) -> str:
+    """The model's greedy continuation of ``sample``'s prompt, decoded and stripped.
+
+    At most ``max_new_tokens`` new tokens (default: the gold answer's token count + 4).
+    """
+    inner = hf_model(model)
+    (start, end), *_ = sample.spans["answer"]
+    prompt = sample.prompt_ids[None].to(inner.device)
+    with torch.inference_mode():
+        generated = inner.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=end - start + 4 if max_new_tokens is None else max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
+        )
+    return tokenizer.decode(generated[0, prompt.shape[1] :], skip_special_tokens=True).strip()

@@ -1,0 +1,52 @@
+"""What every result object shares, and writing files so that none is ever left half-written.
+
+A result (``Detection``, ``RetrievalScores``, ``LongPPLResult`` ...) carries the ``settings`` that
+produced it, turns into a tidy ``to_frame()``, and round-trips through ``save(path)`` /
+``load(path)``, as inseq's attribution outputs do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import pandas as pd
+
+
+@runtime_checkable
+class Result(Protocol):
+    """The protocol of longprobe's result objects."""
+
+    settings: dict[str, Any]
+
+    def to_frame(self) -> pd.DataFrame: ...
+
+    def save(self, path: str | Path) -> None: ...
+
+    @classmethod
+    def load(cls, path: str | Path) -> Result: ...
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
+    """Call ``write(tmp_path)``, then rename the temporary file onto ``path`` (same folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json(path: str | Path, record: Any) -> Path:
+    """``record`` as JSON at ``path``, atomically."""
+    return atomic_write(path, lambda tmp: tmp.write_text(json.dumps(record)))
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
