@@ -8,7 +8,15 @@ from probe.attribution import (
     embedding_grads,
     information_flow,
 )
-from probe.capture import ActivationCache, UnsupportedModelError, ablate_heads, target_loss, trace
+from probe.capture import (
+    ActivationCache,
+    UnsupportedModelError,
+    ablate_heads,
+    attention_window,
+    mask_keys,
+    target_loss,
+    trace,
+)
 from probe.denoise import noise_restraint
 from probe.detectors import Detection, detect
 from probe.generation import answer
@@ -27,6 +35,7 @@ __all__ = [
     "UnsupportedModelError",
     "ablate_heads",
     "answer",
+    "attention_window",
     "attention_matrices",
     "attention_rows",
     "context_selector",
@@ -35,6 +44,7 @@ __all__ = [
     "information_flow",
     "load_model",
     "longppl",
+    "mask_keys",
     "noise_restraint",
     "retrieval_scores",
     "target_loss",

@@ -1,19 +1,25 @@
-"""The capture core: one context manager through which every probe reads attention.
+"""The capture core: one attention function through which every probe reads and changes attention.
 
-Inside ``trace(model, rows=..., layers=...)`` the model's attention runs through our own
-function, registered with transformers' ``AttentionInterface`` under the name ``"longprobe"``:
+Inside any of this module's context managers the model's attention runs through our own function,
+registered with transformers' ``AttentionInterface`` (and its mask builder with the
+``AttentionMaskInterface``) under the name ``"longprobe"``. Four modifiers act through it, and they
+nest in any combination — a ``trace`` inside ``attention_window`` inside ``mask_keys`` sees the
+window and the masked keys, and an ``ablate_heads`` around them all still zeroes its heads:
 
-1. the layer output is computed by the fused ``sdpa`` kernel, exactly as without the trace;
-2. for the captured query rows it recomputes ``A[rows] = softmax(q_rows·Kᵀ·scale + mask)``
-   from the post-RoPE queries and keys the layer was given (GQA: per query head), with the
-   model's own causal / sliding-window mask;
-3. with ``grad=True`` it replaces those rows of the output by ``A[rows]·V``, so autograd
-   yields ∂L/∂A[rows] exactly, while everything else keeps the fused kernel.
+- :func:`trace` captures ``A[rows] = softmax(q_rows·Kᵀ·scale + mask)`` from the post-RoPE queries and
+  keys the layer was given (GQA: per query head), with the model's own mask; with ``grad=True`` it
+  replaces those rows of the output by ``A[rows]·V`` so autograd yields ∂L/∂A[rows] exactly;
+- :func:`ablate_heads` zeroes chosen query heads' outputs;
+- :func:`attention_window` lets every query see only its last ``window`` keys;
+- :func:`mask_keys` hides chosen key positions from every other query (positions unchanged).
 
-Memory is O(layers·heads·rows·seq), not O(layers·heads·seq²). Tensors land in an
-:class:`ActivationCache` under TransformerLens's names (``blocks.{l}.attn.hook_pattern``,
-``…hook_pattern_grad``). On exit — also after an exception — the model's attention
-implementation, parameter flags and train/eval mode are restored.
+The layer output comes from the fused ``sdpa`` kernel, exactly as without longprobe, except where
+the model's attention is not plain softmax attention: logit soft-capping (Gemma 2:
+``softcap·tanh(s / softcap)`` before the mask) and sink logits (gpt-oss: one learned logit per head
+as an extra column of the softmax denominator) are computed exactly, in row blocks. Memory is
+O(layers·heads·rows·seq), not O(layers·heads·seq²). Tensors land in an :class:`ActivationCache`
+under TransformerLens's names (``blocks.{l}.attn.hook_pattern``, ``…hook_pattern_grad``). On exit
+— also after an exception — the model's attention implementation is restored.
 """
 
 from __future__ import annotations
@@ -21,12 +27,18 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    and_masks,
+    causal_mask_function,
+    sdpa_mask,
+    sliding_window_overlay,
+)
 
 IMPLEMENTATION = "longprobe"
 HOOK_NAMES = {
@@ -58,9 +70,28 @@ class ActivationCache(dict):
         return torch.stack([self[kind, layer][0] for layer in layers])
 
 
+@dataclass(frozen=True)
+class Logits:
+    """How one layer turns ``q·kᵀ`` into attention: scale, optional soft-cap and sink logits.
+
+    ``sinks``: Tensor[heads] (gpt-oss ``s_aux``), one extra logit per query head in the softmax
+    denominator, so a row sums to less than 1. ``sliding_window``: the layer's own window, used
+    only when transformers passes no mask.
+    """
+
+    scaling: float
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    sliding_window: int | None = None
+
+    def pattern(self, query: torch.Tensor, key: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor):
+        """A[rows]: Tensor[batch, heads, rows, kv] (see :func:`pattern_rows`)."""
+        return pattern_rows(query, key, rows, mask, self.scaling, self.softcap, self.sinks)
+
+
 @dataclass
 class _Capture:
-    """What one active trace captures, and what it has seen."""
+    """What one active trace captures, and the layers it has seen."""
 
     layers: frozenset[int]
     rows: torch.Tensor | None  # query rows to capture; None = all rows
@@ -70,19 +101,88 @@ class _Capture:
     cache: ActivationCache
     layers_seen: set[int] = field(default_factory=set)
 
-
-_ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("longprobe_capture", default=None)
+    def record(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        logits: Logits,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Capture this layer's rows; ``output`` [batch, q, heads, dim], its rows replaced by A·V if grad."""
+        self.layers_seen.add(layer)
+        q_len = query.shape[2]
+        rows = torch.arange(q_len, device=query.device) if self.rows is None else self.rows.to(query.device)
+        if int(rows.max()) >= q_len:
+            raise IndexError(f"captured rows {rows.tolist()} out of range for {q_len} query positions")
+        grad = self.grad and torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad):
+            pattern = _pattern_blocks(query, key, rows, attention_mask, logits, self.block_size)
+        if grad:
+            if not pattern.requires_grad:  # nothing upstream needs gradients: A itself is the leaf
+                pattern.requires_grad_(True)
+            name = HOOK_NAMES["pattern_grad"].format(layer=layer)
+            pattern.register_hook(lambda g: self.cache.__setitem__(name, g))
+            output = output.index_copy(1, rows, apply_pattern(pattern, value).to(output.dtype))
+        if self.on_pattern is not None:
+            self.on_pattern(layer, pattern.detach())
+        else:
+            self.cache[HOOK_NAMES["pattern"].format(layer=layer)] = pattern.detach()
+        return output
 
 
 @dataclass
-class _Ablation:
+class _HeadAblation:
     """Query heads whose output is zeroed, by layer, and the layers that were reached."""
 
     heads: dict[int, list[int]]
     layers_seen: set[int] = field(default_factory=set)
 
 
-_ABLATED: contextvars.ContextVar[_Ablation | None] = contextvars.ContextVar("longprobe_ablate", default=None)
+@dataclass
+class _KeyMask:
+    """Key positions hidden from every other query: BoolTensor[batch or 1, seq], True = hidden."""
+
+    hidden: torch.Tensor
+    masks_built: int = 0
+    layers_seen: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Window:
+    """Every query sees only its last ``size`` keys (itself included)."""
+
+    size: int
+    masks_built: int = 0
+    layers_seen: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Modifiers:
+    """Everything active in the current context, innermost last."""
+
+    captures: tuple[_Capture, ...] = ()
+    ablations: tuple[_HeadAblation, ...] = ()
+    windows: tuple[_Window, ...] = ()
+    key_masks: tuple[_KeyMask, ...] = ()
+
+    def reached(self, layer: int | None) -> None:
+        """Record that ``layer``'s attention ran under these modifiers."""
+        for modifier in (*self.windows, *self.key_masks):
+            modifier.layers_seen.add(layer)
+        for ablation in self.ablations:
+            if layer in ablation.heads:
+                ablation.layers_seen.add(layer)
+
+
+_NONE = _Modifiers()
+_ACTIVE: contextvars.ContextVar[_Modifiers | None] = contextvars.ContextVar("longprobe", default=None)
+
+
+def _active() -> _Modifiers:
+    return _ACTIVE.get() or _NONE
 
 
 class UnsupportedModelError(TypeError):
@@ -164,7 +264,7 @@ def _mask_rows(
     sliding_window: int | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Additive mask [batch or 1, 1, rows, kv] for the captured rows.
+    """Additive mask [batch or 1, 1, rows, kv] for the given query rows.
 
     transformers passes a boolean (True = attend) or additive mask, or ``None`` when sdpa's
     own causal flag suffices; then queries are aligned to the end of the keys (as under a
@@ -191,20 +291,59 @@ def pattern_rows(
     rows: torch.Tensor,
     mask: torch.Tensor,
     scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A[rows] = softmax(q_rows·Kᵀ·scale + mask): Tensor[batch, heads, rows, kv].
+    """A[rows] = softmax(cap(q_rows·Kᵀ·scale) + mask [, sink]): Tensor[batch, heads, rows, kv].
 
     ``query`` is [batch, heads, q, dim], ``key`` [batch, kv_heads, kv, dim]; query head h reads
     KV head h // (heads / kv_heads), as transformers' ``repeat_kv`` does, without copying K.
+    ``cap(s) = softcap·tanh(s / softcap)`` when ``softcap`` is set (Gemma 2); ``sinks`` Tensor[heads]
+    adds one logit per head to the softmax denominator, dropped from the result (gpt-oss).
     """
     batch, heads, _, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
     grouped = query[:, :, rows].reshape(batch, kv_heads, heads // kv_heads * len(rows), dim)
     scores = (grouped @ key.transpose(-1, -2)).view(batch, heads, len(rows), kv_len) * scaling
-    return torch.softmax((scores + mask).float(), dim=-1).to(query.dtype)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = (scores + mask).float()
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(query.dtype)
+    sink = sinks.float().reshape(1, heads, 1, 1).expand(batch, heads, len(rows), 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(query.dtype)
 
 
-def _capture_attention(
+def apply_pattern(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A[rows]·V: Tensor[batch, rows, heads, dim].
+
+    ``pattern`` is [batch, heads, rows, kv], ``value`` [batch, kv_heads, kv, dim] (GQA: as
+    :func:`pattern_rows`).
+    """
+    batch, heads, n_rows, kv_len = pattern.shape
+    kv_heads = value.shape[1]
+    grouped = pattern.reshape(batch, kv_heads, heads // kv_heads * n_rows, kv_len)
+    return (grouped @ value).view(batch, heads, n_rows, -1).transpose(1, 2)
+
+
+def _pattern_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    rows: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    logits: Logits,
+    block_size: int,
+) -> torch.Tensor:
+    """A[rows] computed ``block_size`` rows at a time, bounding the transient score tensor."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    blocks = []
+    for block in rows.split(block_size):
+        mask = _mask_rows(attention_mask, block, q_len, kv_len, logits.sliding_window, query.dtype)
+        blocks.append(logits.pattern(query, key, block, mask))
+    return torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0]
+
+
+def _attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -212,69 +351,98 @@ def _capture_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered as ``"longprobe"`` (see the module docstring)."""
-    output, _ = sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
-    layer = getattr(module, "layer_idx", None)
-    output = _ablate(output, layer)
-    capture = _ACTIVE.get()
-    if capture is None or layer is None or layer not in capture.layers:
-        return output, None
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+    if kwargs.get("position_bias") is not None:
         raise UnsupportedModelError(
-            f"{type(module).__name__} uses attention logit soft-capping or sink logits, which the "
-            "capture core does not model; capture is exact only for plain softmax attention"
+            f"{type(module).__name__} adds a position bias to its attention logits, which longprobe does not "
+            "model; use an architecture with rotary or learned absolute positions"
         )
-    if dropout > 0:
-        raise ValueError("attention dropout is active: call model.eval() before capturing attention")
-    capture.layers_seen.add(layer)
-    q_len, kv_len = query.shape[2], key.shape[2]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    rows = torch.arange(q_len, device=query.device) if capture.rows is None else capture.rows.to(query.device)
-    if int(rows.max()) >= q_len:
-        raise IndexError(f"captured rows {rows.tolist()} out of range for {q_len} query positions")
+    logits = Logits(scaling, softcap, s_aux, kwargs.get("sliding_window"))
+    if softcap is None and s_aux is None:
+        output, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    else:  # sdpa models neither: exact softmax attention in row blocks
+        if dropout > 0:
+            raise ValueError("attention dropout is active: call model.eval() before probing attention")
+        rows = torch.arange(query.shape[2], device=query.device)
+        output = apply_pattern(_pattern_blocks(query, key, rows, attention_mask, logits, 256), value)
 
-    blocks = []
-    for block in rows.split(capture.block_size):
-        mask = _mask_rows(attention_mask, block, q_len, kv_len, kwargs.get("sliding_window"), query.dtype)
-        with torch.set_grad_enabled(capture.grad and torch.is_grad_enabled()):
-            blocks.append(pattern_rows(query, key, block, mask, scaling))
-    pattern = torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0]
-
-    if capture.grad and torch.is_grad_enabled():
-        if not pattern.requires_grad:  # nothing upstream needs gradients: A itself is the leaf
-            pattern.requires_grad_(True)
-        name = HOOK_NAMES["pattern_grad"].format(layer=layer)
-        pattern.register_hook(lambda grad: capture.cache.__setitem__(name, grad))
-        batch, heads, n_rows, _ = pattern.shape
-        kv_heads = key.shape[1]
-        grouped = pattern.reshape(batch, kv_heads, heads // kv_heads * n_rows, kv_len)
-        row_output = (grouped @ value).view(batch, heads, n_rows, -1).transpose(1, 2)
-        output = _ablate(output.index_copy(1, rows, row_output.to(output.dtype)), layer)
-
-    if capture.on_pattern is not None:
-        capture.on_pattern(layer, pattern.detach())
-    else:
-        capture.cache[HOOK_NAMES["pattern"].format(layer=layer)] = pattern.detach()
-    return output, None
+    layer = getattr(module, "layer_idx", None)
+    active = _active()
+    active.reached(layer)
+    captures = [c for c in active.captures if layer in c.layers]
+    if captures and dropout > 0:
+        raise ValueError("attention dropout is active: call model.eval() before capturing attention")
+    if sum(c.grad for c in captures) > 1 and torch.is_grad_enabled():
+        raise ValueError("two traces with grad=True capture the same layer; use one trace with all rows")
+    for capture in captures:
+        output = capture.record(layer, query, key, value, attention_mask, logits, output)
+    return _ablate(output, layer, active), None
 
 
-def _ablate(output: torch.Tensor, layer: int | None) -> torch.Tensor:
+def _ablate(output: torch.Tensor, layer: int | None, active: _Modifiers) -> torch.Tensor:
     """``output`` [batch, q, heads, dim] with the heads ablated in ``layer`` set to zero."""
-    ablation = _ABLATED.get()
-    if ablation is None or layer not in ablation.heads:
+    heads = sorted({h for ablation in active.ablations for h in ablation.heads.get(layer, ())})
+    if not heads:
         return output
-    ablation.layers_seen.add(layer)
     keep = torch.ones(output.shape[2], dtype=output.dtype, device=output.device)
-    keep[ablation.heads[layer]] = 0
+    keep[heads] = 0
     return output * keep[:, None]
 
 
-AttentionInterface.register(IMPLEMENTATION, _capture_attention)
-AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+def _visible_keys(hidden: torch.Tensor, batch_size: int, kv_end: int, device) -> Callable:
+    """Mask function: key ``kv`` is visible to query ``q`` unless hidden (a hidden key still sees itself)."""
+    if hidden.shape[0] not in (1, batch_size):
+        raise ValueError(f"mask_keys got masks for {hidden.shape[0]} sequences, the forward has {batch_size}")
+    padded = torch.zeros(batch_size, max(kv_end, hidden.shape[1]), dtype=torch.bool, device=device)
+    padded[:, : hidden.shape[1]] = hidden.to(device)
+
+    def visible(batch_idx, head_idx, q_idx, kv_idx):
+        return ~padded[batch_idx, kv_idx] | (q_idx == kv_idx)
+
+    return visible
+
+
+def _mask(
+    *,
+    batch_size: int,
+    kv_length: int,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+):
+    """sdpa's mask with the active windows and key masks overlaid."""
+    active = _active()
+    device = kwargs.get("device", "cpu")
+    for window in active.windows:
+        window.masks_built += 1
+        mask_function = and_masks(mask_function, sliding_window_overlay(window.size))
+    for key_mask in active.key_masks:
+        key_mask.masks_built += 1
+        mask_function = and_masks(
+            mask_function, _visible_keys(key_mask.hidden, batch_size, kv_offset + kv_length, device)
+        )
+    if active.windows or active.key_masks:
+        allow_is_causal_skip = False
+    return sdpa_mask(
+        batch_size=batch_size,
+        kv_length=kv_length,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        allow_is_causal_skip=allow_is_causal_skip,
+        **kwargs,
+    )
+
+
+AttentionInterface.register(IMPLEMENTATION, _attention)
+AttentionMaskInterface.register(IMPLEMENTATION, _mask)
 
 
 @contextmanager
@@ -293,6 +461,26 @@ def frozen_parameters(model: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
+def _modified(inner: PreTrainedModel, **added) -> Iterator[None]:
+    """Add modifiers for the block, route ``inner``'s attention through longprobe, restore both after."""
+    if not inner._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(inner).__name__} does not route attention through transformers' AttentionInterface, "
+            "so longprobe cannot hook it; use an architecture written in the functional attention style "
+            "(Llama, Gemma 3, Qwen, Mistral, ...)"
+        )
+    active = _active()
+    token = _ACTIVE.set(replace(active, **{name: (*getattr(active, name), m) for name, m in added.items()}))
+    original = inner.config._attn_implementation
+    try:
+        inner.set_attn_implementation(IMPLEMENTATION)
+        yield
+    finally:
+        inner.set_attn_implementation(original)
+        _ACTIVE.reset(token)
+
+
+@contextmanager
 def trace(
     model,
     rows: Sequence[int] | torch.Tensor | None = None,
@@ -304,7 +492,7 @@ def trace(
     """Capture attention rows (and their gradients) of every forward run inside the block.
 
     Args:
-        model: a Hugging Face causal LM (or a TransformerBridge wrapping one).
+        model: a Hugging Face causal LM (a TransformerBridge is refused: pass the HF model it wraps).
         rows: query positions to capture (indices into the forward's query axis); ``None`` = all.
         layers: layers to capture (negative indices allowed); ``None`` = all.
         grad: also compute the captured rows' output as A·V so ∂L/∂A lands in the cache
@@ -330,12 +518,8 @@ def trace(
         on_pattern=on_pattern,
         cache=ActivationCache(n_layers(inner)),
     )
-    token = _ACTIVE.set(capture)
-    try:
-        with _routed(inner):
-            yield capture.cache
-    finally:
-        _ACTIVE.reset(token)
+    with _modified(inner, captures=capture):
+        yield capture.cache
     if capture.layers and not capture.layers_seen:
         raise _not_reached(inner)
 
@@ -346,8 +530,7 @@ def ablate_heads(model, heads: Iterable[tuple[int, int]]) -> Iterator[None]:
 
     The head's contribution to the residual stream (its slice of the input to the output
     projection) is removed, the usual "mask a head" ablation (Wu et al. 2024 instead make the
-    head's attention uniform). Works with ``model.generate`` and inside :func:`trace`; the
-    model's attention implementation is restored on exit, also after an exception.
+    head's attention uniform). Works with ``model.generate`` and with the other modifiers.
     """
     inner = hf_model(model)
     config = inner.config.get_text_config()
@@ -357,32 +540,73 @@ def ablate_heads(model, heads: Iterable[tuple[int, int]]) -> Iterator[None]:
         if not 0 <= head < config.num_attention_heads:
             raise IndexError(f"head {head} out of range for {config.num_attention_heads} query heads a layer")
         by_layer.setdefault(layer, []).append(head)
-    ablation = _Ablation(by_layer)
-    token = _ABLATED.set(ablation)
-    try:
-        with _routed(inner):
-            yield
-    finally:
-        _ABLATED.reset(token)
+    ablation = _HeadAblation(by_layer)
+    with _modified(inner, ablations=ablation):
+        yield
     if by_layer and not ablation.layers_seen:
         raise _not_reached(inner)
 
 
 @contextmanager
-def _routed(inner: PreTrainedModel) -> Iterator[None]:
-    """Route ``inner``'s attention through longprobe's function for the block; restore it after."""
-    if not inner._can_set_attn_implementation():
-        raise UnsupportedModelError(
-            f"{type(inner).__name__} does not route attention through transformers' AttentionInterface, "
-            "so longprobe cannot hook it; use an architecture written in the functional attention style "
-            "(Llama, Gemma 3, Qwen, Mistral, ...)"
-        )
-    original = inner.config._attn_implementation
-    try:
-        inner.set_attn_implementation(IMPLEMENTATION)
+def attention_window(model, window: int | None) -> Iterator[None]:
+    """Limit every attention layer of ``model`` to the last ``window`` tokens inside the block.
+
+    A model variant with shorter reach (the receptive field still grows by ``window`` per layer, as in
+    sliding-window models); layers that already have a sliding window keep the smaller one. Works
+    with generation (KV cache) and with the other modifiers. ``window=None``: unchanged.
+    """
+    if window is None:
         yield
-    finally:
-        inner.set_attn_implementation(original)
+        return
+    if window < 1:
+        raise ValueError(f"window must be at least 1 token, got {window}")
+    inner = hf_model(model)
+    modifier = _Window(window)
+    with _modified(inner, windows=modifier):
+        yield
+    _check_mask_built(inner, modifier)
+
+
+@contextmanager
+def mask_keys(model, positions: Sequence[int] | torch.Tensor) -> Iterator[None]:
+    """Hide the keys at ``positions`` from every query of every layer inside the block.
+
+    The ablation of context tokens by key masking: the hidden tokens stay in the input, every
+    other token keeps its position (RoPE unchanged), and no other query can attend to them; each
+    hidden token still attends to itself, so its own row stays finite. ``positions``: token
+    positions hidden in every sequence of the batch (LongTensor[k] or a list), or a BoolTensor[batch,
+    seq] (True = hidden) with one mask per sequence. Works with sliding windows, GQA, KV caches
+    (``generate``) and the other modifiers.
+    """
+    positions = torch.as_tensor(positions)
+    if positions.dtype == torch.bool:
+        if positions.ndim != 2:
+            raise ValueError(f"a boolean key mask must be [batch, seq], got shape {tuple(positions.shape)}")
+        hidden = positions
+    else:
+        positions = positions.long().reshape(-1)
+        if positions.numel() and int(positions.min()) < 0:
+            raise IndexError(f"key positions must be non-negative, got {positions.tolist()}")
+        hidden = torch.zeros(1, int(positions.max()) + 1 if positions.numel() else 0, dtype=torch.bool)
+        hidden[0, positions] = True
+    inner = hf_model(model)
+    context = getattr(inner.config.get_text_config(), "max_position_embeddings", None)
+    if context is not None and hidden.shape[1] > context:
+        raise IndexError(f"key positions up to {hidden.shape[1] - 1} exceed the model's context of {context}")
+    modifier = _KeyMask(hidden)
+    with _modified(inner, key_masks=modifier):
+        yield
+    _check_mask_built(inner, modifier)
+
+
+def _check_mask_built(inner: PreTrainedModel, modifier: _Window | _KeyMask) -> None:
+    """Raise if attention ran in the block but the model never asked longprobe for its mask."""
+    if modifier.layers_seen and not modifier.masks_built:
+        raise UnsupportedModelError(
+            f"{type(inner).__name__} builds its attention mask itself, outside transformers' "
+            "AttentionMaskInterface, so a window or key mask cannot be applied; use an architecture "
+            "that builds masks with transformers.masking_utils (Llama, Gemma 3, Qwen, ...)"
+        )
 
 
 def _not_reached(inner: PreTrainedModel) -> UnsupportedModelError:

@@ -49,3 +49,53 @@ def embedding_grad_reference(model, input_ids, targets, p=2) -> torch.Tensor:
     torch.nn.functional.cross_entropy(logits, input_ids[0, targets]).backward()
     model.zero_grad(set_to_none=True)
     return embeds.grad[0].norm(p=p, dim=-1)
+
+
+def explicit_masks(model, seq: int, hidden=(), window: int | None = None) -> dict[str, torch.Tensor]:
+    """Additive masks [1, 1, seq, seq] by layer type, built entry by entry with Python loops.
+
+    Query i sees key j iff j ≤ i, j is within the layer's own sliding window and within ``window``,
+    and j is not in ``hidden`` unless j = i. Keys are the layer types of ``config.layer_types``
+    ("full_attention" / "sliding_attention"), the form transformers accepts as ``attention_mask``.
+    """
+    config = model.config.get_text_config()
+    masks = {}
+    for layer_type in set(getattr(config, "layer_types", None) or ["full_attention"]):
+        own = config.sliding_window if layer_type == "sliding_attention" else None
+        mask = torch.full((1, 1, seq, seq), torch.finfo(torch.float32).min)
+        for i in range(seq):
+            for j in range(i + 1):
+                visible = (own is None or j > i - own) and (window is None or j > i - window)
+                if visible and (j == i or j not in hidden):
+                    mask[0, 0, i, j] = 0.0
+        masks[layer_type] = mask
+    return masks
+
+
+def masked_eager_forward(model, input_ids, hidden=(), window=None, heads=()):
+    """Eager forward under :func:`explicit_masks`, with ``heads`` [(layer, head)] zeroed at o_proj's input.
+
+    Returns (attentions [L] of [1, H, S, S], logits [1, S, vocab]).
+    """
+    masks = explicit_masks(model, input_ids.shape[1], hidden, window)
+    mask = masks if len(masks) > 1 else next(iter(masks.values()))
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    handles = []
+    for layer, head in heads:
+        def zero(_, args, head=head):
+            x = args[0].clone()
+            x[..., head * head_dim : (head + 1) * head_dim] = 0
+            return (x,)
+
+        o_proj = model.model.layers[layer].self_attn.o_proj
+        handles.append(o_proj.register_forward_pre_hook(zero))
+    original = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = model(input_ids=input_ids, attention_mask=mask, output_attentions=True, use_cache=False)
+    finally:
+        model.set_attn_implementation(original)
+        for handle in handles:
+            handle.remove()
+    return out.attentions, out.logits
