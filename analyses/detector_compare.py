@@ -52,7 +52,7 @@ def layer_enrichment(per_layer: torch.Tensor, sample: tasks.Sample) -> pd.DataFr
     """
     context = sample.prompt_length
     frame = pd.DataFrame(per_layer[:, :context].T.numpy())
-    labels = detectors.token_categories(sample)[:context]
+    labels = sample.categories[:context]
     frame["category"] = [label if label in LAYER_CATEGORIES else "other" for label in labels]
     enrichment = frame.groupby("category").mean() / frame.drop(columns="category").mean()
     enrichment = enrichment.reindex(LAYER_CATEGORIES).dropna()

@@ -56,7 +56,6 @@ from analyses.output import atomic_write, save_figure
 from probe import tasks
 from probe.capture import check_layers
 from probe.denoise import answer_attention, category_mass
-from probe.detectors import answer_targets, token_categories
 from probe.generation import answer
 from probe.objectives import cdt_loss, longce_target_loss
 
@@ -73,7 +72,7 @@ METRICS = {
 
 def objective_loss(name: str, model, sample: tasks.Sample, args: argparse.Namespace):
     """(loss with gradients, diagnostics dict) of objective ``name`` on one training sample."""
-    ids, targets = sample.input_ids[None], answer_targets(sample)
+    ids, targets = sample.input_ids[None], sample.target_positions
     if name == "ce":
         return probe.target_loss(model, ids, targets), {}
     if name == "longce":
@@ -113,8 +112,8 @@ def evaluate(model, tokenizer, samples: list[tasks.Sample]) -> list[dict]:
     for sample in samples:
         generated = answer(model, tokenizer, sample)
         layers = check_layers(model, None)
-        pattern, nll = answer_attention(model, sample.input_ids, answer_targets(sample), layers)
-        mass = category_mass(pattern, token_categories(sample)).mean()  # per category, mean over layers
+        pattern, nll = answer_attention(model, sample.input_ids, sample.target_positions, layers)
+        mass = category_mass(pattern, sample.categories).mean()  # per category, mean over layers
         rows.append(
             {
                 "seed": sample.seed,

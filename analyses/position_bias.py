@@ -3,23 +3,24 @@
 1. **Controlled study** (paper §5, Figs 2/4/5): attention-only networks (:mod:`probe.attention_only`)
    trained on in-context classification with no data bias; the gap ``acc[a, b] − acc[b, a]`` for
    first / middle / last, per positional scheme (No PE = causal mask, Decay = decay mask γ = 0.8,
-   RoPE) and depth, without and with residual connections, beside the paper's reported gaps.
+   RoPE) and number of layers, without and with residual connections, beside the paper's reported
+   gaps. (The CSVs keep the paper's word: column ``depth`` and settings ``depth L`` are ``n_layers``.)
 2. **Attention maps and sinks** (Figs 9–12): the mean attention of the 2-layer causal NoPE network,
    its context selector ``A²A¹`` beside the Cesàro prediction, and the sink rate (τ = 0.2) per token
    for causal, sliding-window (w = 5, 9, 13) and prefix (K = 2, 4, 6) networks.
-3. **Selector vs depth**: the query row's mass on token 1 after each layer of the trained networks,
+3. **Selector vs layers**: the query row's mass on token 1 after each layer of the trained networks,
    beside powers of the Cesàro matrix (Thm 4.1), raw and with 0.5 residual mixing.
 4. **Theory**: Cesàro powers (n = 64), the decay mask's negative-binomial rows (Thm 4.5) and the
    RoPE kernel convolution (Thm 4.7), each beside the numeric product.
 5. **Real models** (SmolLM2-135M, Gemma 3 270M): the context selector's mass on the first token
-   vs depth on essay text (raw, rollout λ = 0.5, measured λ_t), beside the Cesàro prediction; and
-   lost in the middle: key–value retrieval accuracy by gold position beside the rollout mass on
-   the gold pair.
+   vs layers multiplied on essay text (raw, rollout λ = 0.5, measured λ_t), beside the Cesàro
+   prediction; and lost in the middle: key–value retrieval accuracy by gold position (the needle's
+   ``depth``) beside the rollout mass on the gold pair.
 
     python -m analyses.position_bias              # quick preset (default): ≲15 min on 2 CPU cores
     python -m analyses.position_bias --smoke      # a minute or two: every figure at toy settings
-    python -m analyses.position_bias --paper      # the paper's 100k steps, 5 seeds, depths 2/4/6 & 2/6/10
-    python -m analyses.position_bias --steps 4000 --seeds 0 1 --depths 2 4 6 --residual-depths 2 6 10
+    python -m analyses.position_bias --paper      # the paper's 100k steps, 5 seeds, 2/4/6 & 2/6/10 layers
+    python -m analyses.position_bias --steps 4000 --seeds 0 1 --n-layers 2 4 6 --residual-n-layers 2 6 10
     python -m analyses.position_bias --parts real --models gemma3-270m     # one part, one model
 """
 
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -43,8 +45,8 @@ from analyses.output import save_figure
 from probe import graph, tasks
 from probe.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, train
 from probe.generation import answer
-from probe.tasks.classification import InContextClassification
-from probe.tasks.noise import sentences
+from probe.tasks.classification import Batch, InContextClassification
+from probe.tasks.noise import essay_ids
 
 PANELS = {
     "No PE": {"mask": "causal", "pe": "none"},
@@ -52,7 +54,7 @@ PANELS = {
     "RoPE": {"mask": "causal", "pe": "rope"},
 }
 PAIRS = ("first vs middle", "first vs last", "middle vs last")
-# Wu et al., Fig 4 (pure attention) and Fig 5 (residual): (panel, residual, depth) -> gaps of PAIRS
+# Wu et al., Fig 4 (pure attention) and Fig 5 (residual): (panel, residual, n_layers) -> gaps of PAIRS
 PAPER_GAPS = {
     ("No PE", False, 2): (0.059, 0.077, 0.018),
     ("No PE", False, 4): (0.077, 0.094, 0.021),
@@ -83,8 +85,8 @@ class Preset:
 
     steps: int
     seeds: tuple[int, ...]
-    depths: tuple[int, ...]
-    residual_depths: tuple[int, ...]
+    n_layers: tuple[int, ...]  # network sizes without residual connections
+    residual_n_layers: tuple[int, ...]  # network sizes with residual connections
     test_size: int
     pool: int | None  # pre-drawn training batches, cycled (None: fresh sequences every step, as the paper)
     windows: tuple[int, ...] = (5, 9, 13)
@@ -101,8 +103,8 @@ PRESETS = {
     "smoke": Preset(
         steps=30,
         seeds=(0,),
-        depths=(2,),
-        residual_depths=(2,),
+        n_layers=(2,),
+        residual_n_layers=(2,),
         test_size=200,
         pool=10,
         windows=(5,),
@@ -114,12 +116,14 @@ PRESETS = {
         kv_depths=(0.0, 1.0),
         kv_samples=1,
     ),
-    "quick": Preset(steps=1000, seeds=(0,), depths=(2, 6), residual_depths=(2, 6), test_size=2000, pool=500),
+    "quick": Preset(
+        steps=1000, seeds=(0,), n_layers=(2, 6), residual_n_layers=(2, 6), test_size=2000, pool=500
+    ),
     "paper": Preset(
         steps=100_000,
         seeds=(0, 1, 2, 3, 4),
-        depths=(2, 4, 6),
-        residual_depths=(2, 6, 10),
+        n_layers=(2, 4, 6),
+        residual_n_layers=(2, 6, 10),
         test_size=10_000,
         pool=None,
         kv_samples=10,
@@ -127,51 +131,90 @@ PRESETS = {
 }
 
 
-def setting_name(depth: int, residual: bool) -> str:
-    return f"depth {depth}" + (" + res" if residual else "")
+def setting_name(n_layers: int, residual: bool) -> str:
+    """A network size's label in the figures and CSVs, in the paper's word: ``depth 2 + res``."""
+    return f"depth {n_layers}" + (" + res" if residual else "")
+
+
+@dataclass(frozen=True)
+class Network:
+    """One network of the controlled study: positional scheme (a key of ``PANELS``), size, residual, seed."""
+
+    panel: str
+    n_layers: int
+    residual: bool
+    seed: int
+
+    @property
+    def setting(self) -> str:
+        return setting_name(self.n_layers, self.residual)
+
+    def config(self) -> SANConfig:
+        return SANConfig(n_layers=self.n_layers, residual=self.residual, **PANELS[self.panel])
+
+
+@dataclass
+class Study:
+    """The controlled study: one unbiased task per seed, its training batches and the trained networks.
+
+    A seed's task and its pool of ``preset.pool`` training batches are drawn on first use and shared by
+    every network of that seed; each task draws all its data from its own generator, so the order of
+    the calls fixes every number.
+    """
+
+    preset: Preset
+    networks: dict[Network, AttentionOnly] = field(default_factory=dict)
+    tasks: dict[int, InContextClassification] = field(default_factory=dict)
+    pools: dict[int, Batch | None] = field(default_factory=dict)
+
+    def task(self, seed: int) -> InContextClassification:
+        """The task of ``seed``, drawing it and its training pool (``pools[seed]``) on first use."""
+        if seed not in self.tasks:
+            self.tasks[seed] = task = InContextClassification(seed=seed)
+            self.pools[seed] = None if self.preset.pool is None else task.batch(128 * self.preset.pool)
+        return self.tasks[seed]
+
+    def train(self, config: SANConfig, seed: int) -> AttentionOnly:
+        """A network of ``config`` trained on the task of ``seed`` (initialised from ``seed``)."""
+        torch.manual_seed(seed)
+        task = self.task(seed)
+        model = AttentionOnly(config)
+        train(model, task, self.preset.steps, data=self.pools[seed])
+        return model
 
 
 # --- controlled study ----------------------------------------------------------------------------------
 
 
-def train_network(config: SANConfig, seed: int, preset: Preset, pools: dict) -> AttentionOnly:
-    """A network trained on the unbiased task of ``seed`` (the pool of training batches shared per seed)."""
-    torch.manual_seed(seed)
-    if seed not in pools:
-        task = InContextClassification(seed=seed)
-        pools[seed] = (task, None if preset.pool is None else task.batch(128 * preset.pool))
-    task, data = pools[seed]
-    model = AttentionOnly(config)
-    train(model, task, preset.steps, data=data)
-    return model
-
-
-def controlled_study(preset: Preset, pools: dict, progress: bool = True) -> tuple[pd.DataFrame, dict]:
-    """Gaps per (panel, depth, residual, seed, pair), and the trained networks by the same key.
-
-    ``pools`` maps seed -> (task, training batches); filled on first use and shared with later parts.
-    """
-    settings = [(d, False) for d in preset.depths] + [(d, True) for d in preset.residual_depths]
-    jobs = [(panel, d, res, seed) for panel in PANELS for d, res in settings for seed in preset.seeds]
-    networks, rows = {}, []
-    for panel, depth, residual, seed in tqdm(jobs, desc="controlled study", disable=not progress):
-        config = SANConfig(layers=depth, residual=residual, **PANELS[panel])
-        model = train_network(config, seed, preset, pools)
-        networks[panel, depth, residual, seed] = model
-        gaps = accuracy_gaps(model, pools[seed][0], preset.test_size)
-        gaps = gaps.assign(panel=panel, depth=depth, residual=residual, seed=seed)
-        rows.append(gaps.assign(setting=setting_name(depth, residual)))
-    return pd.concat(rows, ignore_index=True), networks
+def controlled_study(study: Study, progress: bool = True) -> pd.DataFrame:
+    """Train every network of the preset into ``study.networks``; their gaps, one row per network and pair."""
+    preset = study.preset
+    sizes = [(n, False) for n in preset.n_layers] + [(n, True) for n in preset.residual_n_layers]
+    networks = [Network(panel, n, res, seed) for panel in PANELS for n, res in sizes for seed in preset.seeds]
+    rows = []
+    for network in tqdm(networks, desc="controlled study", disable=not progress):
+        model = study.networks[network] = study.train(network.config(), network.seed)
+        gaps = accuracy_gaps(model, study.task(network.seed), preset.test_size)
+        rows.append(
+            gaps.assign(
+                panel=network.panel,
+                depth=network.n_layers,  # the CSV column keeps the paper's word
+                residual=network.residual,
+                seed=network.seed,
+                setting=network.setting,
+            )
+        )
+    return pd.concat(rows, ignore_index=True)
 
 
 def with_paper(gaps: pd.DataFrame) -> pd.DataFrame:
     """Our gaps (mean over seeds) beside the paper's, long form with a ``source`` column."""
     ours = gaps.groupby(["panel", "setting", "depth", "residual", "pair"], as_index=False).gap.mean()
     paper = [
-        {"panel": p, "setting": setting_name(d, r), "depth": d, "residual": r, "pair": pair, "gap": g}
-        for (p, r, d), values in PAPER_GAPS.items()
+        {"panel": p, "setting": setting_name(n, r), "depth": n, "residual": r, "pair": pair, "gap": g}
+        for (p, r, n), values in PAPER_GAPS.items()
         for pair, g in zip(PAIRS, values, strict=True)
-        if setting_name(d, r) in set(ours.setting)
+        if setting_name(n, r) in set(ours.setting)
     ]
     return pd.concat(
         [ours.assign(source="ours"), pd.DataFrame(paper).assign(source="paper")], ignore_index=True
@@ -241,18 +284,24 @@ def plot_attention_maps(attention: torch.Tensor) -> tuple[plt.Figure, pd.DataFra
     return fig, table.assign(query=table["query"] + 1, key=table["key"] + 1)
 
 
-def sink_study(preset: Preset, networks: dict, pools: dict, progress: bool) -> pd.DataFrame:
-    """Sink rate (τ = 0.2) per token: causal NoPE networks by depth, window and prefix networks (depth 2)."""
-    depth = min(preset.depths)
+def sink_study(study: Study, progress: bool) -> pd.DataFrame:
+    """Sink rate (τ = 0.2) per token: causal NoPE networks by size, window and prefix networks (smallest)."""
+    preset = study.preset
+    n_layers = min(preset.n_layers)
     seed = preset.seeds[0]
-    cases = [("causal", setting_name(d, False), networks["No PE", d, False, seed]) for d in preset.depths]
-    extra = [("window", f"w = {w}", SANConfig(layers=depth, mask="window", window=w)) for w in preset.windows]
+    cases = [
+        ("causal", setting_name(n, False), study.networks[Network("No PE", n, False, seed)])
+        for n in preset.n_layers
+    ]
+    extra = [
+        ("window", f"w = {w}", SANConfig(n_layers=n_layers, mask="window", window=w)) for w in preset.windows
+    ]
     extra += [
-        ("prefix", f"K = {k}", SANConfig(layers=depth, mask="prefix", prefix=k)) for k in preset.prefixes
+        ("prefix", f"K = {k}", SANConfig(n_layers=n_layers, mask="prefix", prefix=k)) for k in preset.prefixes
     ]
     for family, name, config in tqdm(extra, desc="sink networks", disable=not progress):
-        cases.append((family, name, train_network(config, seed, preset, pools)))
-    task = pools[seed][0]
+        cases.append((family, name, study.train(config, seed)))
+    task = study.task(seed)
     rows = []
     for family, name, model in cases:
         with torch.no_grad():
@@ -284,28 +333,33 @@ def plot_sinks(table: pd.DataFrame) -> plt.Figure:
     return grid.figure
 
 
-def selector_by_depth(preset: Preset, networks: dict, pools: dict) -> pd.DataFrame:
-    """Query-row mass on token 1 after each layer of the causal NoPE networks, beside Cesàro powers."""
+def selector_by_layers(study: Study) -> pd.DataFrame:
+    """Query-row mass on token 1 of ``P^(t)`` (eq. 4) after each layer of the causal NoPE networks.
+
+    The product of each network's mean attention, with the rollout factor ``0.5 I + 0.5 A^(t)`` for
+    networks with residual connections, beside the same products of the Cesàro matrix (Thm 4.1).
+    """
+    preset = study.preset
     seed = preset.seeds[0]
-    task = pools[seed][0]
+    task = study.task(seed)
     rows = []
-    for (panel, depth, residual, net_seed), model in networks.items():
-        if panel != "No PE" or net_seed != seed:
+    for network, model in study.networks.items():
+        if network.panel != "No PE" or network.seed != seed:
             continue
         attention = mean_attention(model, task, preset.test_size).double()
-        factors = [0.5 * a + 0.5 * torch.eye(len(a), dtype=a.dtype) if residual else a for a in attention]
+        lam = 0.5 if network.residual else None
         product = torch.eye(attention.shape[-1], dtype=torch.float64)
-        for layer, factor in enumerate(factors):
-            product = factor @ product
+        for layer, layer_attention in enumerate(attention):
+            graph.multiply_in_place(product, graph.residual_mix(layer_attention, lam))
             rows.append(
                 {
-                    "curve": setting_name(depth, residual) + (" (λ = 0.5)" if residual else ""),
+                    "curve": network.setting + (" (λ = 0.5)" if network.residual else ""),
                     "layers": layer + 1,
                     "mass_first": product[-1, 0].item(),
                     "source": "trained",
                 }
             )
-    deepest = max(preset.depths + preset.residual_depths)
+    deepest = max(preset.n_layers + preset.residual_n_layers)
     for mix, name in ((None, "Cesàro M^L"), (0.5, "Cesàro, λ = 0.5")):
         cesaro = graph.selector_rows(graph.cesaro(2 * task.config.pairs + 1), deepest, mix)
         rows += [
@@ -315,7 +369,7 @@ def selector_by_depth(preset: Preset, networks: dict, pools: dict) -> pd.DataFra
     return pd.DataFrame(rows)
 
 
-def plot_selector_by_depth(table: pd.DataFrame) -> plt.Figure:
+def plot_selector_by_layers(table: pd.DataFrame) -> plt.Figure:
     fig, ax = plt.subplots(figsize=(6, 4))
     sns.lineplot(table, x="layers", y="mass_first", hue="curve", style="source", markers=True, ax=ax)
     ax.set(
@@ -393,28 +447,19 @@ def plot_theory(table: pd.DataFrame) -> plt.Figure:
 # --- real models ---------------------------------------------------------------------------------------
 
 
-def essay_windows(tokenizer, length: int, count: int) -> list[torch.Tensor]:
-    """``count`` disjoint windows of ``length`` tokens of essay text, each tokenized from a sentence start."""
-    text = sentences()
-    windows, start = [], 0
-    while len(windows) < count:
-        chunk = " ".join(text[start : start + length])
-        ids = tokenizer(chunk, return_tensors="pt").input_ids[0, :length]
-        windows.append(ids)
-        start += length
-    return windows
-
-
 def first_token_mass(model_name: str, model, tokenizer, preset: Preset) -> pd.DataFrame:
-    """Token-1 mass of the context selector (last row, mean over rows) vs depth, with Cesàro predictions."""
+    """Token-1 mass of the context selector ``P^(t)`` (eq. 4; last row, mean over rows) after each layer.
+
+    On essay text, raw, rollout and with measured λ_t, beside the Cesàro prediction with the same λ.
+    """
     rows = []
-    for window, ids in enumerate(essay_windows(tokenizer, preset.text_length, preset.texts)):
+    for window, ids in enumerate(essay_ids(tokenizer, preset.text_length, preset.texts)):
         lams = graph.measured_mix(model, ids)
-        n, layers = len(ids), len(lams)
+        n, n_layers = len(ids), len(lams)
         for mix, name in ((None, "raw"), (0.5, "λ = 0.5"), ("measured", "measured λ_t")):
             selector = probe.context_selector(model, ids, mix=mix)
-            prediction = graph.selector_rows(graph.cesaro(n), layers, lams if mix == "measured" else mix)
-            for t in range(layers):
+            prediction = graph.selector_rows(graph.cesaro(n), n_layers, lams if mix == "measured" else mix)
+            for t in range(n_layers):
                 rows.append(
                     {
                         "model": model_name,
@@ -453,15 +498,17 @@ def plot_first_token_mass(table: pd.DataFrame) -> plt.Figure:
 
 
 def lost_in_the_middle(model_name: str, model, tokenizer, preset: Preset, progress: bool) -> pd.DataFrame:
-    """Key–value retrieval by gold depth: accuracy, and the last prompt row's selector mass on each pair."""
+    """Key–value retrieval by gold depth: accuracy, and the last prompt row's selector mass on each pair.
+
+    The mass is that of the last layer's context selector ``P^(L−1)`` (eq. 4), raw and rollout.
+    """
     rows = []
-    last_layer = model.config.get_text_config().num_hidden_layers - 1
     jobs = [(d, s) for d in preset.kv_depths for s in range(preset.kv_samples)]
     for depth, seed in tqdm(jobs, desc=f"kv {model_name}", disable=not progress, leave=False):
         sample = tasks.make("kv", tokenizer, preset.kv_length, seed=seed, depth=depth)
         correct = sample.score(answer(model, tokenizer, sample))
         for mix, name in ((None, "raw"), (0.5, "λ = 0.5")):
-            last = probe.context_selector(model, sample.prompt_ids, depths=[last_layer], mix=mix)[0, -1]
+            last = probe.context_selector(model, sample.prompt_ids, layers=[-1], mix=mix)[0, -1]
             mass = {
                 c: [last[a:b].sum().item() for a, b in sample.spans[c]]
                 for c in ("supporting", "interference")
@@ -507,6 +554,15 @@ def plot_lost_in_the_middle(table: pd.DataFrame) -> plt.Figure:
 # --- driver --------------------------------------------------------------------------------------------
 
 
+class RenamedOption(argparse.Action):
+    """A deprecated option name kept one release: stores into the new option's ``dest``, with a warning."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        warnings.warn(f"{option_string} is deprecated; use {new}", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -521,8 +577,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     )
     parser.add_argument("--steps", type=int, help="training steps per network")
     parser.add_argument("--seeds", type=int, nargs="+", help="one network per seed and setting")
-    parser.add_argument("--depths", type=int, nargs="+", help="depths without residual")
-    parser.add_argument("--residual-depths", type=int, nargs="+", help="depths with residual")
+    parser.add_argument("--n-layers", type=int, nargs="+", help="network sizes (layers) without residual")
+    parser.add_argument("--residual-n-layers", type=int, nargs="+", help="network sizes with residual")
+    for old, new in (("--depths", "n_layers"), ("--residual-depths", "residual_n_layers")):
+        parser.add_argument(old, dest=new, type=int, nargs="+", action=RenamedOption, help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="*", help="real models (none: skip the real-model part)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: best on a shared CPU)")
@@ -539,26 +597,26 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
 
 
 def run_study(preset: Preset, out: Path, progress: bool) -> dict[str, pd.DataFrame]:
-    """The controlled study: gap bars, attention maps, sinks, selector vs depth."""
-    pools = {}
-    gaps, networks = controlled_study(preset, pools, progress)
-    sinks = sink_study(preset, networks, pools, progress)
-    depth_table = selector_by_depth(preset, networks, pools)
-    task = pools[preset.seeds[0]][0]
-    maps_model = networks["No PE", min(preset.depths), False, preset.seeds[0]]
-    maps_fig, maps = plot_attention_maps(mean_attention(maps_model, task, preset.test_size))
-    tables = {"gaps": with_paper(gaps), "attention_maps": maps, "sinks": sinks, "selector_depth": depth_table}
+    """The controlled study: gap bars, attention maps, sinks, selector vs layers."""
+    study = Study(preset)
+    gaps = controlled_study(study, progress)
+    sinks = sink_study(study, progress)
+    by_layers = selector_by_layers(study)
+    seed = preset.seeds[0]
+    maps_model = study.networks[Network("No PE", min(preset.n_layers), False, seed)]
+    maps_fig, maps = plot_attention_maps(mean_attention(maps_model, study.task(seed), preset.test_size))
+    tables = {"gaps": with_paper(gaps), "attention_maps": maps, "sinks": sinks, "selector_depth": by_layers}
     save_figure(plot_gaps(tables["gaps"]), tables["gaps"], out, "position_bias_gaps")
     save_figure(maps_fig, maps, out, "position_bias_attention_maps")
     save_figure(plot_sinks(sinks), sinks, out, "position_bias_sinks")
-    save_figure(plot_selector_by_depth(depth_table), depth_table, out, "position_bias_selector_depth")
+    save_figure(plot_selector_by_layers(by_layers), by_layers, out, "position_bias_selector_depth")
     summary = tables["gaps"].pivot_table(index=["panel", "setting", "pair"], columns="source", values="gap")
     print(summary.round(3).to_string())
     return tables
 
 
 def run_real(preset: Preset, out: Path, progress: bool) -> dict[str, pd.DataFrame]:
-    """Real models: first-token mass vs depth, and lost in the middle on key–value retrieval."""
+    """Real models: first-token mass vs layers, and lost in the middle on key–value retrieval."""
     masses, kv = [], []
     for name in tqdm(preset.models, desc="real models", disable=not progress):
         model, tokenizer = probe.load_model(name)

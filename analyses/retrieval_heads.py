@@ -23,7 +23,6 @@ Writes, per run, with the CSV behind each figure:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -36,6 +35,7 @@ import probe
 from analyses.output import atomic_write, save_figure
 from probe import tasks
 from probe.generation import answer
+from probe.results import write_json
 
 NAME = "retrieval_heads"
 ABLATION_SEED = 1000  # ablation samples use seeds from here on: never the detection samples
@@ -160,7 +160,7 @@ def detected(
         return probe.RetrievalScores.load(scores_file), pd.read_csv(trials_file)
     result = detect(model, tokenizer, args)
     trials = result.trials.assign(model=label)
-    atomic_write(scores_file, lambda tmp: tmp.write_text(json.dumps(result.to_json())))
+    write_json(scores_file, result.to_json())
     atomic_write(trials_file, lambda tmp: trials.to_csv(tmp, index=False))
     return result, trials
 

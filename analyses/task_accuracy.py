@@ -26,9 +26,10 @@ import seaborn as sns
 from tqdm.auto import tqdm
 
 import probe
-from analyses.output import atomic_write, save_figure
+from analyses.output import save_figure
 from probe import tasks
 from probe.generation import answer
+from probe.results import atomic_write
 
 NAME = "task_accuracy"
 KEYS = ["model", "task", "length", "seed"]

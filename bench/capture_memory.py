@@ -4,8 +4,8 @@ Each (method, length) runs in its own child process, so every peak is clean: the
 the model, resets the kernel's peak-RSS counter (``/proc/self/clear_refs``), runs the method
 once (after a short warm-up forward that pages in the weights) and reports wall time and
 the peak RSS above the loaded model. All methods use the same
-real text (Paul Graham essays) and the same loss: mean cross-entropy of the last ``--targets``
-tokens.
+real text (Paul Graham essays, :func:`probe.tasks.noise.essay_ids`) and the same loss: mean
+cross-entropy of the last ``--targets`` tokens.
 
 - ``plain``: sdpa forward + backward to the input embeddings, parameters frozen — the cost
   of any gradient-based attribution (what ``embedding_grad_norms`` does).
@@ -33,13 +33,11 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dic
 
     import probe
     from probe.capture import frozen_parameters, target_loss
-    from probe.tasks.noise import sentences
+    from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(2)
     model, tokenizer = probe.load_model(model_name)
-    ids = tokenizer(" ".join(sentences()), return_tensors="pt").input_ids[:, :length]
-    if ids.shape[1] < length:
-        raise SystemExit(f"the essays hold only {ids.shape[1]} tokens")
+    ids = essay_ids(tokenizer, length)[0][None]
     targets = torch.arange(length - n_targets, length)
 
     def plain():

@@ -2,12 +2,13 @@
 
 Each (method, length) runs in its own child process with the peak-RSS reset of
 ``bench/harness.py`` (``/proc/self/clear_refs`` → ``VmHWM``), shared with ``bench/capture_memory.py``, on
-the same essay text, and computes the same thing: the head-averaged product over all layers.
+the same essay text (:func:`probe.tasks.noise.essay_ids`), and computes the same thing: the
+head-averaged context selector ``P^(L−1) = A^(L−1) … A^(0)`` over all layers (Wu et al. eq. 4).
 
-- ``streamed``: ``probe.context_selector(model, ids, depths=[L − 1])`` — each layer's attention is
+- ``streamed``: ``probe.context_selector(model, ids, layers=[-1])`` — each layer's attention is
   handed over by the capture core and multiplied in place (O(heads·n²) for one layer + O(n²)).
 - ``stacked``: every layer's Tensor[heads, n, n] from ``probe.attention_matrices`` is kept, then
-  the product is taken (O(layers·heads·n²)).
+  the product is taken with :func:`probe.graph.multiply_in_place` (O(n_layers·heads·n²)).
 - ``eager``: ``output_attentions=True`` under eager attention, how rollout code usually gets the
   matrices, then the same product.
 
@@ -30,21 +31,22 @@ def _run_child(method: str, length: int, model_name: str, threads: int) -> dict:
     import torch
 
     import probe
-    from probe.tasks.noise import sentences
+    from probe.graph import multiply_in_place
+    from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(threads)
     model, tokenizer = probe.load_model(model_name)
-    ids = tokenizer(" ".join(sentences()), return_tensors="pt").input_ids[:, :length]
-    last = model.config.num_hidden_layers - 1
+    ids = essay_ids(tokenizer, length)[0][None]
 
     def product(attentions) -> torch.Tensor:
+        """``A^(L−1) … A^(0)`` of the head-averaged attentions, each Tensor[heads, n, n]: [n, n]."""
         result = torch.eye(length, dtype=torch.float64)
         for attention in attentions:
-            result = attention.mean(0).double() @ result
+            multiply_in_place(result, attention.mean(0).double())
         return result
 
     def streamed():
-        return probe.context_selector(model, ids, depths=[last])[0]
+        return probe.context_selector(model, ids, layers=[-1])[0]
 
     def stacked():
         layers = []  # every layer's Tensor[heads, n, n], kept (as a list: no extra copy for a stack)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `analyses`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `probe` without an install
 
 from probe.results import atomic_write  # noqa: E402
 

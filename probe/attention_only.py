@@ -1,7 +1,7 @@
 """The controlled study of Wu et al. (ICML 2025, §5 and App. J): attention-only networks on in-context
 classification (:mod:`probe.tasks.classification`).
 
-:class:`AttentionOnly` is the paper's SAN: ``layers`` single-head attention layers of width ``dim``
+:class:`AttentionOnly` is the paper's SAN: ``n_layers`` single-head attention layers of width ``dim``
 (``W_Q, W_K, W_V``, no ``W_O``, no LayerNorm, no MLP between layers), an optional residual
 ``X ← X + A X W_V`` (else ``X ← A X W_V``), and an MLP readout (3 × [Linear + ReLU], then a linear map
 to the labels) on the last (query) token. The attention graph is a mask (``full``, ``causal``,
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from probe.deprecation import renamed_arguments
 from probe.graph import causal_mask
 from probe.tasks.classification import Batch, InContextClassification
 
@@ -33,9 +34,12 @@ ENCODINGS = ("none", "sin", "rope")
 
 @dataclass(frozen=True)
 class SANConfig:
-    """One attention-only network; defaults are the paper's (d = 64, 32 labels, decay γ = 0.8)."""
+    """One attention-only network; defaults are the paper's (d = 64, 32 labels, decay γ = 0.8).
 
-    layers: int = 2
+    ``n_layers`` is the network's number of attention layers (``layers=`` is its deprecated old name).
+    """
+
+    n_layers: int = 2
     mask: str = "causal"
     pe: str = "none"
     residual: bool = False
@@ -50,8 +54,11 @@ class SANConfig:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
         if self.pe not in ENCODINGS:
             raise ValueError(f"pe must be one of {ENCODINGS}, got {self.pe!r}")
-        if self.layers < 1:
-            raise ValueError(f"layers must be at least 1, got {self.layers}")
+        if self.n_layers < 1:
+            raise ValueError(f"n_layers must be at least 1, got {self.n_layers}")
+
+
+SANConfig.__init__ = renamed_arguments(layers="n_layers")(SANConfig.__init__)
 
 
 def log_mask(config: SANConfig, seq: int) -> torch.Tensor:
@@ -85,13 +92,17 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 class AttentionOnly(nn.Module):
-    """Wu et al.'s SAN: x [batch, seq, dim] → (logits [batch, labels], A [batch, layers, seq, seq])."""
+    """Wu et al.'s SAN: x [batch, seq, dim] → (logits [batch, labels], A [batch, n_layers, seq, seq]).
+
+    ``A[:, t]`` is layer ``t``'s attention ``A^(t)``; without residuals the query's representation
+    is ``(A^(t) … A^(0) X^(0) W_V^(0) … W_V^(t))_query`` (eq. 4) before the readout.
+    """
 
     def __init__(self, config: SANConfig) -> None:
         super().__init__()
         self.config = config
         dim = config.dim
-        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim, bias=False) for _ in range(config.layers))
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim, bias=False) for _ in range(config.n_layers))
         self.readout = nn.Sequential(
             *(module for _ in range(3) for module in (nn.Linear(dim, dim), nn.ReLU())),
             nn.Linear(dim, config.labels),

@@ -17,7 +17,7 @@ import torch
 
 from probe.attribution import embedding_grads
 from probe.capture import check_layers, frozen_parameters, hf_model, target_loss, trace
-from probe.detectors import answer_targets, token_categories
+from probe.deprecation import renamed_arguments
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.tasks import CATEGORIES, Sample
 
@@ -50,7 +50,7 @@ def moved_tokens(sample: Sample, move: str | torch.Tensor, grads: torch.Tensor) 
         return noise_tokens(grads.norm(dim=-1), context=sample.prompt_length)
     if move not in MOVES:
         raise ValueError(f"move must be one of {[*MOVES, 'detected']} or a bool mask, got {move!r}")
-    return torch.from_numpy(np.isin(token_categories(sample), MOVES[move]))
+    return torch.from_numpy(np.isin(sample.categories, MOVES[move]))
 
 
 def category_mass(pattern: torch.Tensor, labels: np.ndarray) -> pd.DataFrame:
@@ -87,8 +87,8 @@ def noise_restraint(
     ``shift`` (mean ‖E' − E‖ / ‖E‖ over the moved tokens). Moving against the gradient lowers L
     for small enough steps.
     """
-    ids, targets = sample.input_ids, answer_targets(sample)
-    layers, labels = check_layers(model, layers), token_categories(sample)
+    ids, targets = sample.input_ids, sample.target_positions
+    layers, labels = check_layers(model, layers), sample.categories
     with torch.no_grad():
         embeds = hf_model(model).get_input_embeddings()(ids)
     grads = embedding_grads(model, ids, targets, inputs_embeds=embeds)
@@ -127,26 +127,28 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+@renamed_arguments(targets="target_positions")
 def answer_attention(
     model,
     input_ids: torch.Tensor,
-    targets: torch.Tensor,
+    target_positions: torch.Tensor,
     layers: list[int],
     embeds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float]:
     """One forward pass: (attention of the answer rows, L).
 
-    The attention is Tensor[layers, heads, rows, seq] for rows ``targets − 1``, as
-    :func:`probe.attention_rows` gives it; L is the mean cross-entropy of the tokens at ``targets``.
-    ``embeds`` (Tensor[seq, hidden]) replaces the embeddings of ``input_ids``. Capturing both in
-    one pass halves the forward passes of a sweep.
+    The attention is Tensor[layers, heads, rows, seq] for rows ``target_positions − 1``, as
+    :func:`probe.attention_rows` gives it; L is the mean cross-entropy of the tokens at
+    ``target_positions`` (LongTensor[targets], e.g. ``sample.target_positions``). ``embeds``
+    (Tensor[seq, hidden]) replaces the embeddings of ``input_ids``. Capturing both in one pass
+    halves the forward passes of a sweep.
     """
     inner = hf_model(model)
     inputs = {} if embeds is None else {"inputs_embeds": embeds[None]}
     with (
         frozen_parameters(inner),
         torch.no_grad(),
-        trace(model, rows=targets - 1, layers=layers) as cache,
+        trace(model, rows=target_positions - 1, layers=layers) as cache,
     ):
-        loss = target_loss(model, input_ids[None], targets, **inputs)
+        loss = target_loss(model, input_ids[None], target_positions, **inputs)
     return cache.stack("pattern", layers), float(loss)

@@ -24,9 +24,9 @@ def renamed_arguments(**renames: str) -> Callable[[F], F]:
                 if old not in kwargs:
                     continue
                 if new in kwargs:
-                    raise TypeError(f"{fn.__name__}() got both {old}= (deprecated) and {new}=")
+                    raise TypeError(f"{fn.__qualname__}() got both {old}= (deprecated) and {new}=")
                 warnings.warn(
-                    f"{fn.__name__}({old}=...) is deprecated and will be removed in the next release; "
+                    f"{fn.__qualname__}({old}=...) is deprecated and will be removed in the next release; "
                     f"use {new}=...",
                     DeprecationWarning,
                     stacklevel=2,

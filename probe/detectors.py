@@ -1,10 +1,11 @@
 """Critical-token detectors: one registry, one signature.
 
-Every detector maps ``(model, tokenizer, sample)`` to one score per token of the sample
-(higher = more critical) and the set it would flag by its own rule, returned as a
+Every detector maps ``(model, tokenizer, sample, **options)`` to one score per token of the
+sample (higher = more critical) and the set it would flag by its own rule, returned as a
 :class:`Detection` that carries its settings. The answer rows are the rows that predict the
-sample's teacher-forced gold answer (``sample.spans["answer"]``); scores for tokens at or
-after the answer are not meaningful for detection and :mod:`probe.metrics` ignores them.
+sample's teacher-forced gold answer (rows ``sample.target_positions − 1``); scores for tokens at
+or after the answer are not meaningful for detection and :mod:`probe.metrics` ignores them.
+A detector is named once, in ``@register(name)``; the registry stamps the name on its result.
 
     >>> detection = probe.detect("information_flow", model, tokenizer, sample)
     >>> detection.scores.shape, detection.flagged.sum()
@@ -13,8 +14,9 @@ after the answer are not meaningful for detection and :mod:`probe.metrics` ignor
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,9 +27,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-import probe
+from probe.attribution import attention_rows, embedding_grad_norms
+from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import check_layers, frozen_parameters, hf_model
 from probe.objectives import critical_tokens
+from probe.results import read_json, write_json
 from probe.tasks import Sample
 
 
@@ -38,14 +42,15 @@ class Detection:
     ``scores``: Tensor[seq], higher = more critical. ``flagged``: bool Tensor[seq], the
     detector's own rule. ``details``: extra tensors (e.g. ``per_layer`` [layers, seq],
     ``per_head`` [layers, heads, seq]) and diagnostics (``convergence_delta``).
-    ``settings``: the detector name and every option that produced the result.
+    ``settings``: every option that produced the result. ``name``: the registered detector's name,
+    set by the registry (``None`` for a detection built by hand).
     """
 
-    name: str
     scores: torch.Tensor
     flagged: torch.Tensor
     settings: dict[str, Any]
     details: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None
 
     def to_frame(self, tokenizer=None, sample: Sample | None = None) -> pd.DataFrame:
         """One row per token: position, score, flagged (and token text / category given a sample)."""
@@ -57,13 +62,13 @@ class Detection:
             }
         )
         if sample is not None:
-            frame["category"] = token_categories(sample)
+            frame["category"] = sample.categories
             if tokenizer is not None:
                 frame["token"] = [tokenizer.decode(t) for t in sample.input_ids]
         return frame.assign(detector=self.name)
 
     def save(self, path: str | Path) -> None:
-        """Write scores, flags and settings as JSON (tensors in ``details`` as nested lists)."""
+        """Write name, scores, flags, settings and details as JSON, atomically (tensors as nested lists)."""
         record = {
             "name": self.name,
             "settings": self.settings,
@@ -71,13 +76,14 @@ class Detection:
             "flagged": self.flagged.tolist(),
             "details": {k: v.tolist() if torch.is_tensor(v) else v for k, v in self.details.items()},
         }
-        Path(path).write_text(json.dumps(record))
+        write_json(path, record)
 
     @classmethod
     def load(cls, path: str | Path) -> Detection:
-        record = json.loads(Path(path).read_text())
+        """The detection :meth:`save` wrote."""
+        record = read_json(path)
         return cls(
-            name=record["name"],
+            name=record.get("name"),
             scores=torch.tensor(record["scores"]),
             flagged=torch.tensor(record["flagged"], dtype=torch.bool),
             settings=record["settings"],
@@ -90,11 +96,24 @@ _REGISTRY: dict[str, Detector] = {}
 
 
 def register(name: str) -> Callable[[Detector], Detector]:
-    """Add a detector ``fn(model, tokenizer, sample, **options) -> Detection`` to the registry."""
+    """Add a detector ``fn(model, tokenizer, sample, **options) -> Detection`` to the registry as ``name``.
+
+    Returns ``fn`` wrapped so that its :class:`Detection` carries ``name``: a detector never writes
+    its own name. Refuses a name already taken and a function with another signature.
+    """
 
     def add(fn: Detector) -> Detector:
-        _REGISTRY[name] = fn
-        return fn
+        if name in _REGISTRY:
+            raise ValueError(f"a detector named {name!r} is already registered")
+        if list(inspect.signature(fn).parameters)[:3] != ["model", "tokenizer", "sample"]:
+            raise TypeError(f"detector {name!r} must take (model, tokenizer, sample, **options)")
+
+        @functools.wraps(fn)
+        def named(model, tokenizer, sample: Sample, **options) -> Detection:
+            return dataclasses.replace(fn(model, tokenizer, sample, **options), name=name)
+
+        _REGISTRY[name] = named
+        return named
 
     return add
 
@@ -116,24 +135,6 @@ def detect(name: str, model, tokenizer, sample: Sample, **options) -> Detection:
     return _REGISTRY[name](model, tokenizer, sample, **options)
 
 
-# --- helpers shared by the detectors ---------------------------------------------------------
-
-
-def token_categories(sample: Sample) -> np.ndarray:
-    """One category per token of ``sample``; ``other`` where no span covers it (template, instruction)."""
-    labels = np.full(len(sample.input_ids), "other", dtype=object)
-    for category, spans in sample.spans.items():
-        for start, end in spans:
-            labels[start:end] = category
-    return labels
-
-
-def answer_targets(sample: Sample) -> torch.Tensor:
-    """Positions of the teacher-forced answer tokens: LongTensor[answer_len]."""
-    (start, end), *_ = sample.spans["answer"]
-    return torch.arange(start, end)
-
-
 def top_k_mask(scores: torch.Tensor, k: int, context: int) -> torch.Tensor:
     """bool Tensor[seq]: the ``k`` highest scores among the first ``context`` tokens."""
     flagged = torch.zeros(len(scores), dtype=torch.bool)
@@ -151,16 +152,15 @@ def attention(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) ->
     Flags the ``top_k`` context tokens (CDT §6.1 uses top-30).
     """
     layers = check_layers(model, layers)
-    rows = answer_targets(sample) - 1
-    pattern = probe.attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
+    rows = sample.target_positions - 1
+    pattern = attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
     per_layer = pattern.sum(dim=1).mean(dim=1)
     scores = per_layer.mean(dim=0)
     return Detection(
-        "attention",
-        scores,
-        top_k_mask(scores, top_k, sample.prompt_length),
-        {"layers": layers, "top_k": top_k},
-        {"per_layer": per_layer},
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"layers": layers, "top_k": top_k},
+        details={"per_layer": per_layer},
     )
 
 
@@ -176,27 +176,26 @@ def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 3
     Flags the ``top_k`` tokens with the highest score.
     """
     layers = check_layers(model, layers)
-    rows = answer_targets(sample) - 1
-    pattern = probe.attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
+    rows = sample.target_positions - 1
+    pattern = attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
     context = sample.prompt_length
     chosen = pattern[..., :context].topk(min(top_k, context), dim=-1).indices
     attended = torch.zeros_like(pattern).scatter_(-1, chosen, 1.0)
     per_head = attended.mean(dim=2)  # [L, H, S]
     scores = per_head.mean(dim=(0, 1))
     return Detection(
-        "fr",
-        scores,
-        top_k_mask(scores, top_k, context),
-        {"layers": layers, "top_k": top_k},
-        {"per_head": per_head, "mass_per_head": pattern.mean(dim=2)},
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, context),
+        settings={"layers": layers, "top_k": top_k},
+        details={"per_head": per_head, "mass_per_head": pattern.mean(dim=2)},
     )
 
 
 @register("embedding_grad")
 def embedding_grad(model, tokenizer, sample: Sample, p: float = 2) -> Detection:
     """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean."""
-    scores = probe.embedding_grad_norms(model, sample.input_ids, answer_targets(sample), p=p)
-    return Detection("embedding_grad", scores, critical_tokens(scores, sample.prompt_length), {"p": p})
+    scores = embedding_grad_norms(model, sample.input_ids, sample.target_positions, p=p)
+    return Detection(scores=scores, flagged=critical_tokens(scores, sample.prompt_length), settings={"p": p})
 
 
 @register("information_flow")
@@ -208,14 +207,13 @@ def information_flow(
     ``details["per_layer"]`` [layers, seq] keeps each layer's score. Flags the ``top_k`` tokens.
     """
     layers = check_layers(model, layers)
-    per_layer = probe.information_flow(model, sample.input_ids, answer_targets(sample), layers, reduce)
+    per_layer = information_flow_per_layer(model, sample.input_ids, sample.target_positions, layers, reduce)
     scores = per_layer.sum(dim=0)
     return Detection(
-        "information_flow",
-        scores,
-        top_k_mask(scores, top_k, sample.prompt_length),
-        {"layers": layers, "reduce": reduce, "top_k": top_k},
-        {"per_layer": per_layer},
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"layers": layers, "reduce": reduce, "top_k": top_k},
+        details={"per_layer": per_layer},
     )
 
 
@@ -235,7 +233,7 @@ def integrated_gradients(
 
     inner = hf_model(model)
     ids = sample.input_ids[None]
-    targets = answer_targets(sample)
+    targets = sample.target_positions
     baseline_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def answer_log_prob(batch_ids: torch.Tensor) -> torch.Tensor:
@@ -255,11 +253,10 @@ def integrated_gradients(
     signed = attributions[0].sum(dim=-1).detach()
     scores = signed.abs()
     return Detection(
-        "integrated_gradients",
-        scores,
-        top_k_mask(scores, top_k, sample.prompt_length),
-        {"n_steps": n_steps, "top_k": top_k, "baseline_token_id": baseline_id},
-        {"signed": signed, "convergence_delta": float(delta.abs().item())},
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"n_steps": n_steps, "top_k": top_k, "baseline_token_id": baseline_id},
+        details={"signed": signed, "convergence_delta": float(delta.abs().item())},
     )
 
 
@@ -280,11 +277,10 @@ def long_short_difference(
     flagged = key_token_mask(lsd, lcl, alpha, beta)
     flagged[sample.prompt_length :] = False
     return Detection(
-        "lsd",
-        lsd.nan_to_num(0.0),
-        flagged,
-        {"K": K, "d": d, "alpha": alpha, "beta": beta},
-        {"lcl": lcl},
+        scores=lsd.nan_to_num(0.0),
+        flagged=flagged,
+        settings={"K": K, "d": d, "alpha": alpha, "beta": beta},
+        details={"lcl": lcl},
     )
 
 
@@ -293,7 +289,9 @@ def random_scores(model, tokenizer, sample: Sample, seed: int = 0, top_k: int = 
     """Uniform random scores (seeded): the chance level of every metric."""
     scores = torch.rand(len(sample.input_ids), generator=torch.Generator().manual_seed(seed))
     return Detection(
-        "random", scores, top_k_mask(scores, top_k, sample.prompt_length), {"seed": seed, "top_k": top_k}
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"seed": seed, "top_k": top_k},
     )
 
 
@@ -301,7 +299,9 @@ def random_scores(model, tokenizer, sample: Sample, seed: int = 0, top_k: int = 
 def recency(model, tokenizer, sample: Sample, top_k: int = 30) -> Detection:
     """Later tokens score higher (position / seq): the "the model reads the end" baseline."""
     scores = torch.arange(len(sample.input_ids), dtype=torch.float32) / len(sample.input_ids)
-    return Detection("recency", scores, top_k_mask(scores, top_k, sample.prompt_length), {"top_k": top_k})
+    return Detection(
+        scores=scores, flagged=top_k_mask(scores, top_k, sample.prompt_length), settings={"top_k": top_k}
+    )
 
 
 _WORD = re.compile(r"[A-Za-z0-9]+")
@@ -316,7 +316,7 @@ def lexical_overlap(model, tokenizer, sample: Sample) -> Detection:
     """1 for context tokens inside a word that also occurs in the question (LOGO's chunk scoring, per word).
 
     Words are case-folded alphanumeric runs of the sample text, stop words excluded; tokens map
-    to words through the tokenizer's character offsets. Flags every overlapping token.
+    to words through the sample's token offsets. Flags every overlapping token.
     """
     (q_start, q_end), *_ = sample.char_spans["question"]
     question_words = {w.lower() for w in _WORD.findall(sample.text[q_start:q_end])} - _STOPWORDS
@@ -324,22 +324,10 @@ def lexical_overlap(model, tokenizer, sample: Sample) -> Detection:
     for match in _WORD.finditer(sample.text):
         if match.group().lower() in question_words:
             overlapping[match.start() : match.end()] = True
-    offsets = token_offsets(tokenizer, sample)
-    scores = torch.tensor([float(overlapping[start:end].any()) for start, end in offsets])
+    scores = torch.tensor([float(overlapping[start:end].any()) for start, end in sample.offsets])
     scores[sample.prompt_length :] = 0.0
     question = torch.zeros_like(scores, dtype=torch.bool)
     for start, end in sample.spans["question"]:
         question[start:end] = True
     scores[question] = 0.0  # the question trivially overlaps itself
-    return Detection("lexical_overlap", scores, scores > 0, {"stopwords": len(_STOPWORDS)})
-
-
-def token_offsets(tokenizer, sample: Sample) -> list[tuple[int, int]]:
-    """Character span of each token of ``sample`` in ``sample.text`` (re-tokenized, checked to match)."""
-    for special in (False, True):
-        encoding = tokenizer(sample.text, add_special_tokens=special, return_offsets_mapping=True)
-        if encoding["input_ids"] == sample.input_ids.tolist():
-            return [tuple(span) for span in encoding["offset_mapping"]]
-    raise ValueError(
-        "re-tokenizing the sample text does not reproduce its input_ids; pass the sample's tokenizer"
-    )
+    return Detection(scores=scores, flagged=scores > 0, settings={"stopwords": len(_STOPWORDS)})

@@ -14,13 +14,12 @@ def answer(model, tokenizer, sample: Sample, max_new_tokens: int | None = None) 
     At most ``max_new_tokens`` new tokens (default: the gold answer's token count + 4).
     """
     inner = hf_model(model)
-    (start, end), *_ = sample.spans["answer"]
     prompt = sample.prompt_ids[None].to(inner.device)
     with torch.inference_mode():
         generated = inner.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            max_new_tokens=end - start + 4 if max_new_tokens is None else max_new_tokens,
+            max_new_tokens=len(sample.target_positions) + 4 if max_new_tokens is None else max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
         )

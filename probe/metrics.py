@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from sklearn.metrics import precision_score, recall_score, roc_auc_score
 
-from probe.detectors import Detection, token_categories, top_k_mask
+from probe.detectors import Detection, top_k_mask
 from probe.tasks import Sample
 
 SHARE_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
@@ -28,7 +28,7 @@ def evaluate(detection: Detection, sample: Sample, top_k: int = 30) -> dict[str,
     - ``n_flagged``: size of the flagged set.
     """
     context = sample.prompt_length
-    labels = token_categories(sample)[:context]
+    labels = sample.categories[:context]
     labels = np.where(np.isin(labels, SHARE_CATEGORIES), labels, "other")
     scores = detection.scores[:context].numpy()
     sets = {

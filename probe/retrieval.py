@@ -13,8 +13,8 @@ Tensor[heads, 1, kv] per layer — O(layers·heads·seq) memory, as in Wu et al.
 
 from __future__ import annotations
 
-import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,22 +24,30 @@ import torch
 from tqdm.auto import tqdm
 
 from probe.capture import check_input_ids, frozen_parameters, hf_model, n_layers, trace
-from probe.detectors import answer_targets, token_offsets
+from probe.results import read_json, write_json
 from probe.tasks import Sample
 
 THRESHOLD = 0.1  # Wu et al.: a head that copies at least 10% of the needle is a retrieval head
 TOP = 10  # LOGO App. B: the model's retrieval score is the mean of its top-10 retrieval heads
 
 
-def needle_answer_positions(sample: Sample, tokenizer) -> list[torch.Tensor]:
+def needle_answer_positions(sample: Sample, tokenizer=None) -> list[torch.Tensor]:
     """Token positions of each occurrence of the gold answer inside the supporting spans (the needles).
 
     One LongTensor per occurrence (a passkey needle states its key twice; LOGO's multi-value
     needles each hold the shared value). Found by exact character match of ``sample.answer``
-    in the recorded needle text, mapped through the tokenizer's offsets: a token counts if it
-    overlaps the answer's characters.
+    in the recorded needle text, mapped to tokens through ``sample.offsets``: a token counts if
+    it overlaps the answer's characters. (``tokenizer`` is deprecated and ignored: no tokenizer is
+    needed.)
     """
-    offsets = torch.tensor(token_offsets(tokenizer, sample))
+    if tokenizer is not None:
+        warnings.warn(
+            "needle_answer_positions(sample, tokenizer) is deprecated: the tokenizer is no longer needed "
+            "and will be refused in the next release; call needle_answer_positions(sample)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    offsets = torch.from_numpy(sample.offsets)
     occurrences = []
     for start, end in sample.char_spans["supporting"]:
         for match in re.finditer(re.escape(sample.answer), sample.text[start:end], flags=re.IGNORECASE):
@@ -61,7 +69,9 @@ class RetrievalScores:
     ``scores``: Tensor[trials, layers, heads], Wu et al.'s score of each trial (all trials, also
     wrong ones). ``trials``: one row per trial (task, length, depth, seed, answer, generated,
     correct). ``argmax``: per trial, LongTensor[steps, layers, heads], the position each head
-    attended most at each decoding step. ``settings``: what produced them.
+    attended most at each decoding step (empty when loaded from Wu et al.'s layout).
+    ``settings``: what produced them. :meth:`save` / :meth:`load` round-trip all four;
+    :meth:`to_json` is Wu et al.'s published layout.
     """
 
     scores: torch.Tensor
@@ -82,7 +92,8 @@ class RetrievalScores:
         return counted.mean(dim=0) if len(counted) else torch.zeros(self.scores.shape[1:])
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per head: layer, head, score (mean over counted trials), sorted by score."""
+        """One row per (layer, head): layer, head, score = :meth:`mean` (over the counted trials),
+        best first. Per-trial scores are ``scores[trial, layer, head]``."""
         mean = self.mean()
         layers, heads = torch.meshgrid(*(torch.arange(n) for n in mean.shape), indexing="ij")
         frame = pd.DataFrame({"layer": layers.flatten(), "head": heads.flatten(), "score": mean.flatten()})
@@ -113,13 +124,30 @@ class RetrievalScores:
         }
 
     def save(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to ``path`` (comparable with the published ``head_score/*.json``)."""
-        Path(path).write_text(json.dumps(self.to_json()))
+        """Write scores, trials, settings and argmax as JSON, atomically; :meth:`load` reads them back.
+
+        For a file comparable with the published ``head_score/*.json``, write :meth:`to_json`.
+        """
+        record = {
+            "scores": self.scores.tolist(),
+            "trials": self.trials.to_dict(orient="tight"),
+            "settings": self.settings,
+            "argmax": [argmax.tolist() for argmax in self.argmax],
+        }
+        write_json(path, record)
 
     @classmethod
     def load(cls, path: str | Path) -> RetrievalScores:
-        """Read a file in Wu et al.'s layout (ours or a published one); every listed trial counts."""
-        record = json.loads(Path(path).read_text())
+        """Read a file :meth:`save` wrote, or one in Wu et al.'s layout (:meth:`to_json`, ours or a
+        published one: no trials, no argmax, every listed trial counts)."""
+        record = read_json(path)
+        if "scores" in record:
+            return cls(
+                torch.tensor(record["scores"]),
+                pd.DataFrame.from_dict(record["trials"], orient="tight"),
+                record["settings"],
+                [torch.tensor(argmax, dtype=torch.long) for argmax in record["argmax"]],
+            )
         keys = [tuple(map(int, key.split("-"))) for key in record]
         layers, heads = max(k[0] for k in keys) + 1, max(k[1] for k in keys) + 1
         trials = {len(values) for values in record.values()}
@@ -199,8 +227,8 @@ def retrieval_scores(
         raise ValueError("retrieval_scores needs at least one needle sample")
     scores, argmaxes, rows = [], [], []
     for sample in tqdm(samples, desc="retrieval trials", disable=not progress):
-        needles = needle_answer_positions(sample, tokenizer)
-        steps = len(answer_targets(sample)) + 4 if max_new_tokens is None else max_new_tokens
+        needles = needle_answer_positions(sample)
+        steps = len(sample.target_positions) + 4 if max_new_tokens is None else max_new_tokens
         generated, argmax = decode_with_argmax(model, sample.prompt_ids, steps, tokenizer.eos_token_id)
         text = tokenizer.decode(generated, skip_special_tokens=True)
         scores.append(copy_hits(torch.cat([sample.prompt_ids, generated]), generated, argmax, needles))

@@ -30,6 +30,7 @@ def hand_sample(seq: int = 39) -> Sample:
     return Sample(
         task="hand", length=seq, seed=0, depth=None, options={}, text="", input_ids=ids, answer="",
         answer_pattern="", prompt_length=36, spans=SPANS, char_spans={},
+        offsets=np.zeros((seq, 2), dtype=np.int64),
     )  # fmt: skip
 
 

@@ -1,7 +1,10 @@
 """Detectors and metrics: shapes, agreement with the eager references, flag rules, planted signals."""
 
+import ast
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from reference import eager_forward, embedding_grad_reference, information_flow_reference
@@ -37,6 +40,7 @@ def hand_sample(seq=48, needle=(12, 15), question=(36, 40), answer=(44, 46)) -> 
     return Sample(
         task="hand", length=seq, seed=0, depth=None, options={}, text="", input_ids=ids, answer="",
         answer_pattern="", prompt_length=answer[0], spans=spans, char_spans={},
+        offsets=np.zeros((seq, 2), dtype=np.int64),
     )  # fmt: skip
 
 
@@ -102,7 +106,7 @@ def test_top_k_detectors_flag_exactly_k_context_tokens(story, tokenizer):
 
 def test_attention_detector_matches_eager(story, tokenizer):
     model, sample = story
-    targets = detectors.answer_targets(sample)
+    targets = sample.target_positions
     attentions, _ = eager_forward(model, sample.input_ids[None])
     expected = torch.stack([a[0][:, targets - 1].sum(0).mean(0) for a in attentions]).mean(0)
     got = probe.detect("attention", model, tokenizer, sample).scores
@@ -112,7 +116,7 @@ def test_attention_detector_matches_eager(story, tokenizer):
 def test_fr_counts_top_k_membership_per_head(story, tokenizer):
     model, sample = story
     detection = probe.detect("fr", model, tokenizer, sample, top_k=5)
-    targets = detectors.answer_targets(sample)
+    targets = sample.target_positions
     attentions, _ = eager_forward(model, sample.input_ids[None])
     context = sample.prompt_length
     for layer, attention in enumerate(attentions):
@@ -126,7 +130,7 @@ def test_fr_counts_top_k_membership_per_head(story, tokenizer):
 
 def test_gradient_detectors_match_retain_grad(story, tokenizer):
     model, sample = story
-    ids, targets = sample.input_ids[None], detectors.answer_targets(sample)
+    ids, targets = sample.input_ids[None], sample.target_positions
     flow = probe.detect("information_flow", model, tokenizer, sample)
     assert (flow.details["per_layer"] - information_flow_reference(model, ids, targets)).abs().max() <= ATOL
     grad = probe.detect("embedding_grad", model, tokenizer, sample, p=1)
@@ -144,7 +148,7 @@ def test_integrated_gradients_is_complete_and_reports_its_delta():
     coarse = probe.detect("integrated_gradients", model, Pad(), sample, n_steps=2, internal_batch_size=2)
     fine = probe.detect("integrated_gradients", model, Pad(), sample, n_steps=32, internal_batch_size=32)
     assert fine.details["convergence_delta"] < 1e-4 < coarse.details["convergence_delta"]
-    targets = detectors.answer_targets(sample)
+    targets = sample.target_positions
     with torch.no_grad():  # completeness: Σ attributions = f(x) − f(baseline), f = −loss
         pads = model.get_input_embeddings()(torch.zeros_like(sample.input_ids))[None]
         f_input = -probe.target_loss(model, sample.input_ids[None], targets)
@@ -179,13 +183,13 @@ def test_metrics_against_a_hand_count():
     flagged[[12, 13, 20, 21]] = True  # two needle tokens, two noise tokens
     scores = torch.zeros(48)
     scores[12:15] = 1.0
-    record = metrics.evaluate(detectors.Detection("hand", scores, flagged, {}), sample, top_k=3)
+    record = metrics.evaluate(detectors.Detection(scores, flagged, {}), sample, top_k=3)
     assert record["precision_supporting"] == 0.5 and record["recall_supporting"] == pytest.approx(2 / 3)
     assert record["share_flagged_supporting"] == 0.5 and record["share_flagged_noise"] == 0.5
     assert record["auroc"] == 1.0 and record["fact_hit_rate"] == 1.0
     assert record["share_top_k_supporting"] == 1.0
     empty = metrics.evaluate(
-        detectors.Detection("none", torch.zeros(48), torch.zeros(48, dtype=torch.bool), {}), sample
+        detectors.Detection(torch.zeros(48), torch.zeros(48, dtype=torch.bool), {}), sample
     )
     assert empty["precision_supporting"] == 0.0 and empty["auroc"] == 0.5
 
@@ -195,12 +199,84 @@ def test_detection_round_trips_through_json(story, tokenizer, tmp_path):
     detection = probe.detect("information_flow", model, tokenizer, sample)
     detection.save(tmp_path / "d.json")
     loaded = detectors.Detection.load(tmp_path / "d.json")
+    assert loaded.name == "information_flow" and not list(tmp_path.glob(".*tmp*"))  # written atomically
     assert torch.allclose(loaded.scores, detection.scores) and torch.equal(loaded.flagged, detection.flagged)
     assert loaded.settings == detection.settings
     assert torch.allclose(loaded.details["per_layer"], detection.details["per_layer"])
     frame = detection.to_frame(tokenizer, sample)
     assert list(frame.columns[:3]) == ["position", "score", "flagged"] and len(frame) == len(sample.input_ids)
     assert not math.isnan(frame.score.sum())
+    assert list(frame.category) == list(sample.categories) and (frame.detector == "information_flow").all()
+
+
+def test_detection_load_reads_files_written_with_the_name_first(tmp_path):
+    """Files saved before the registry set names hold the same record: they load unchanged."""
+    path = tmp_path / "old.json"
+    path.write_text(
+        '{"name": "fr", "settings": {"top_k": 2}, "scores": [0.5, 1.0], "flagged": [false, true], '
+        '"details": {"per_head": [[[0.5, 1.0]]], "delta": 0.1}}'
+    )
+    loaded = detectors.Detection.load(path)
+    assert loaded.name == "fr" and loaded.settings == {"top_k": 2} and loaded.details["delta"] == 0.1
+    assert torch.equal(loaded.flagged, torch.tensor([False, True]))
+    assert loaded.details["per_head"].shape == (1, 1, 2)
+
+
+def test_the_registry_names_each_detection(monkeypatch):
+    """A detector never writes its name: register(name) stamps it on the result, also on a direct call."""
+    monkeypatch.setattr(detectors, "_REGISTRY", dict(detectors._REGISTRY))
+    sample = hand_sample()
+
+    @detectors.register("hand_made")
+    def hand_made(model, tokenizer, sample, scale: float = 1.0):
+        """Scores every token by its position."""
+        scores = scale * torch.arange(len(sample.input_ids), dtype=torch.float32)
+        return detectors.Detection(scores=scores, flagged=scores > 40, settings={"scale": scale})
+
+    assert "hand_made" in detectors.names() and detectors.options("hand_made") == ["scale"]
+    assert hand_made.__doc__ == "Scores every token by its position."
+    detection = probe.detect("hand_made", None, None, sample, scale=2.0)
+    assert detection.name == "hand_made" and detection.settings == {"scale": 2.0}
+    assert hand_made(None, None, sample).name == "hand_made"
+    with pytest.raises(ValueError, match="already registered"):
+        detectors.register("hand_made")(hand_made)
+    with pytest.raises(TypeError, match=r"\(model, tokenizer, sample, \*\*options\)"):
+        detectors.register("backwards")(lambda sample, model, tokenizer: None)
+
+
+def test_detectors_never_write_their_own_name():
+    """Every ``Detection(...)`` in detectors.py names its fields and leaves ``name`` to the registry."""
+    calls = [
+        node
+        for node in ast.walk(ast.parse(Path(detectors.__file__).read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Detection"
+    ]
+    assert len(calls) >= len(detectors.names())
+    for call in calls:
+        assert not call.args and "name" not in {keyword.arg for keyword in call.keywords}
+
+
+def test_no_library_module_imports_the_package_itself_or_the_analyses():
+    """``import probe`` (or a name of ``probe/__init__``) inside ``probe/`` is a cycle: ``probe/__init__``
+    imports the modules. Submodules (``from probe import capture``) are fine."""
+    package = Path(probe.__file__).parent
+    submodules = {path.stem for path in package.glob("*.py")}
+    submodules |= {path.parent.name for path in package.glob("*/__init__.py")}
+    for path in package.rglob("*.py"):
+        if path == package / "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+                if node.module == "probe":
+                    assert {alias.name for alias in node.names} <= submodules, f"{path}: from probe import"
+                    continue
+            else:
+                continue
+            for module in modules:
+                assert module != "probe" and not module.startswith("analyses"), f"{path}: imports {module}"
 
 
 def test_lsd_detector_flags_by_the_key_token_rule(story, tokenizer):

@@ -8,6 +8,7 @@ from reference import eager_forward
 
 import probe
 from probe import graph
+from probe.capture import UnsupportedModelError
 
 
 def dense_selectors(model, ids: torch.Tensor, lams: list[float] | None = None, head: int | None = None):
@@ -35,11 +36,70 @@ def test_streamed_product_equals_dense_product(tiny, mix):
     assert streamed.triu(1).abs().max() == 0
 
 
-def test_selected_depths_and_one_head(tiny):
+def test_selected_layers_and_one_head(tiny):
     ids = torch.randint(0, 128, (1, 17), generator=torch.Generator().manual_seed(2))
     dense = dense_selectors(tiny, ids, head=1)
-    streamed = probe.context_selector(tiny, ids, depths=[1, 0], heads=1)
-    torch.testing.assert_close(streamed, dense[[1, 0]], atol=1e-6, rtol=1e-5)
+    streamed = probe.context_selector(tiny, ids, layers=[1, 0, -1], heads=1)  # negative: from the last
+    torch.testing.assert_close(streamed, dense[[1, 0, -1]], atol=1e-6, rtol=1e-5)
+
+
+def test_depths_is_the_deprecated_name_of_layers():
+    model = probe.tiny_model("llama")
+    ids = torch.arange(9)
+    with pytest.warns(DeprecationWarning, match=r"context_selector\(depths=...\) is deprecated.*layers="):
+        old = probe.context_selector(model, ids, depths=[2, 0])
+    assert old.equal(probe.context_selector(model, ids, layers=[2, 0]))
+    with pytest.raises(TypeError, match="both depths="):
+        probe.context_selector(model, ids, depths=[0], layers=[0])
+
+
+def direct_measured_mix(model, ids: torch.Tensor) -> torch.Tensor:
+    """The pre-generic computation: hooks on ``get_decoder().layers[t]`` and its ``self_attn``: [L]."""
+    layers = model.get_decoder().layers
+    inputs, outputs = {}, {}
+    handles = [
+        hook
+        for t, layer in enumerate(layers)
+        for hook in (
+            layer.register_forward_pre_hook(
+                lambda _, args, kwargs, t=t: inputs.__setitem__(t, (args or (kwargs["hidden_states"],))[0]),
+                with_kwargs=True,
+            ),
+            layer.self_attn.register_forward_hook(lambda _, __, out, t=t: outputs.__setitem__(t, out[0])),
+        )
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    ratios = []
+    for t in range(len(layers)):
+        x, a = inputs[t][0].float().norm(dim=-1), outputs[t][0].float().norm(dim=-1)
+        ratios.append((a / (x + a).clamp(min=1e-12)).mean())
+    return torch.stack(ratios)
+
+
+def test_measured_mix_finds_attention_generically(tiny):
+    ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(4))
+    modules = graph.attention_modules(tiny)
+    assert [(layer, attention) for layer, attention in modules] == [
+        (layer, layer.self_attn) for layer in tiny.get_decoder().layers
+    ]
+    torch.testing.assert_close(graph.measured_mix(tiny, ids), direct_measured_mix(tiny, ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("broken", ["missing", "duplicate"])
+def test_attention_modules_unsupported_model(broken):
+    model = probe.tiny_model("llama")
+    attention = model.model.layers[1].self_attn
+    if broken == "missing":
+        del attention.layer_idx
+    else:
+        attention.layer_idx = 0
+    with pytest.raises(UnsupportedModelError, match="one attention module"):
+        graph.measured_mix(model, torch.arange(8))
 
 
 def test_measured_mix(tiny):
@@ -80,9 +140,9 @@ def test_model_left_unchanged(tiny):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"depths": [3]}, IndexError, "out of range"),
-        ({"depths": [-1]}, IndexError, "out of range"),
-        ({"depths": []}, IndexError, "out of range"),
+        ({"layers": [3]}, IndexError, "out of range"),
+        ({"layers": [-4]}, IndexError, "out of range"),
+        ({"layers": []}, ValueError, "layers is empty"),
         ({"mix": 1.5}, ValueError, "mix must be"),
         ({"mix": "rollout"}, ValueError, "mix must be"),
         ({"heads": 4}, ValueError, "heads must be"),
@@ -99,36 +159,36 @@ def test_bad_input(kwargs, error, message):
 
 
 def test_cesaro_powers_match_the_verified_values():
-    rows = graph.selector_rows(graph.cesaro(64), layers=8)  # row k: k + 1 layers
+    rows = graph.selector_rows(graph.cesaro(64), n_layers=8)  # row k: k + 1 layers
     assert [round(rows[t - 1, 0].item(), 4) for t in (2, 4, 8)] == [0.0741, 0.3447, 0.8661]
-    tail = 1 - graph.selector_rows(graph.cesaro(64), layers=40)[:, 0]
+    tail = 1 - graph.selector_rows(graph.cesaro(64), n_layers=40)[:, 0]
     assert tail[39] / tail[38] == pytest.approx(0.5, abs=1e-3)  # second eigenvalue 1/2
 
 
-@pytest.mark.parametrize("layers", [1, 2, 5])
-def test_cesaro_closed_form_is_exact(layers):
-    exact = graph.cesaro_exact_row(12, layers)
+@pytest.mark.parametrize("n_layers", [1, 2, 5])
+def test_cesaro_closed_form_is_exact(n_layers):
+    exact = graph.cesaro_exact_row(12, n_layers)
     assert sum(exact) == 1
-    power = torch.linalg.matrix_power(graph.cesaro(12), layers)[-1]
+    power = torch.linalg.matrix_power(graph.cesaro(12), n_layers)[-1]
     torch.testing.assert_close(
         torch.tensor([float(f) for f in exact], dtype=torch.float64), power, atol=1e-14, rtol=0
     )
-    assert exact[0] == Fraction(1, 12) if layers == 1 else exact[0] > Fraction(1, 12)
+    assert exact[0] == Fraction(1, 12) if n_layers == 1 else exact[0] > Fraction(1, 12)
 
 
-@pytest.mark.parametrize("layers", [1, 2, 4, 8, 16, 32])
-def test_decay_closed_form_is_negative_binomial(layers):
-    numeric = graph.selector_rows(graph.decay_attention(64, 0.5), layers)[-1]
-    ratio = numeric / graph.decay_closed_form(64, layers, 0.5)
+@pytest.mark.parametrize("n_layers", [1, 2, 4, 8, 16, 32])
+def test_decay_closed_form_is_negative_binomial(n_layers):
+    numeric = graph.selector_rows(graph.decay_attention(64, 0.5), n_layers)[-1]
+    ratio = numeric / graph.decay_closed_form(64, n_layers, 0.5)
     assert ((ratio[11:] - 1).abs() < 0.01).all()  # tokens j ≥ 12
-    if layers >= 4:
+    if n_layers >= 4:
         assert ratio[0] > 1.1  # the boundary inflation near token 1 the closed form leaves out
 
 
-@pytest.mark.parametrize("layers", [1, 2, 4, 8])
-def test_rope_interior_is_kernel_convolution(layers):
-    numeric = graph.selector_rows(graph.rope_attention(128, 0.02, 20.0), layers)[-1]
-    predicted = graph.rope_closed_form(128, layers, 0.02, 20.0)
+@pytest.mark.parametrize("n_layers", [1, 2, 4, 8])
+def test_rope_interior_is_kernel_convolution(n_layers):
+    numeric = graph.selector_rows(graph.rope_attention(128, 0.02, 20.0), n_layers)[-1]
+    predicted = graph.rope_closed_form(128, n_layers, 0.02, 20.0)
     torch.testing.assert_close(numeric[64:], predicted[64:], atol=1e-12, rtol=1e-6)
 
 
@@ -142,6 +202,38 @@ def test_selector_rows_with_mixing_equal_matrix_powers():
     for lam in lams:
         product = (lam * attention + (1 - lam) * torch.eye(20, dtype=torch.float64)) @ product
     torch.testing.assert_close(graph.selector_rows(attention, 3, mix=lams)[-1], product[-1])
+
+
+def test_residual_mix_and_in_place_product():
+    attention = graph.cesaro(7)
+    assert graph.residual_mix(attention, None) is attention
+    torch.testing.assert_close(
+        graph.residual_mix(attention, 0.3), 0.3 * attention + 0.7 * torch.eye(7, dtype=torch.float64)
+    )
+    product = torch.eye(7, dtype=torch.float64)
+    graph.multiply_in_place(product, attention, block_size=3)
+    graph.multiply_in_place(product, attention, block_size=3)
+    torch.testing.assert_close(product, attention @ attention)
+    with pytest.raises(ValueError, match="not causal"):
+        graph.multiply_in_place(product, attention.T.contiguous(), block_size=3)
+
+
+@pytest.mark.parametrize(
+    ("function", "args"),
+    [
+        (graph.selector_rows, (graph.cesaro(8),)),
+        (graph.cesaro_exact_row, (8,)),
+        (graph.decay_closed_form, (8,)),
+        (graph.rope_closed_form, (8,)),
+    ],
+)
+def test_layers_is_the_deprecated_name_of_n_layers(function, args):
+    extra = {"m": 0.5} if function is graph.decay_closed_form else {}
+    extra |= {"theta": 0.02, "r2": 20.0} if function is graph.rope_closed_form else {}
+    with pytest.warns(DeprecationWarning, match=r"\(layers=...\) is deprecated.*n_layers="):
+        old = function(*args, layers=3, **extra)
+    new = function(*args, n_layers=3, **extra)
+    assert old == new if isinstance(new, list) else old.equal(new)
 
 
 # --- sinks ---------------------------------------------------------------------------------------------
@@ -185,6 +277,6 @@ def test_real_model_selector_equals_dense_product(smollm2):
 
     model, tokenizer = smollm2
     ids = tokenizer(" ".join(sentences()[:20]), return_tensors="pt").input_ids[:, :48]
-    streamed = probe.context_selector(model, ids, depths=[0, 4, 29], block_size=16)
+    streamed = probe.context_selector(model, ids, layers=[0, 4, -1], block_size=16)
     torch.testing.assert_close(streamed, dense_selectors(model, ids)[[0, 4, 29]], atol=1e-5, rtol=1e-4)
     assert streamed[-1, -1, 0] > 0.9  # Thm 4.1: deep raw products put (almost) all mass on token 1

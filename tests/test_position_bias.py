@@ -56,7 +56,7 @@ def test_rope_is_relative():
 def test_output_is_context_selector_times_values():
     """Without residuals, X^(L) = A^(L−1)…A^(0) X^(0) W_V^(0)…W_V^(L−1) (Wu et al. eq. 4), exactly."""
     torch.manual_seed(1)
-    model = AttentionOnly(SANConfig(layers=3, pe="rope"))
+    model = AttentionOnly(SANConfig(n_layers=3, pe="rope"))
     x = torch.randn(2, 17, 64, dtype=torch.float64)
     model.double()
     hidden = []
@@ -72,6 +72,15 @@ def test_bad_config():
         SANConfig(mask="alibi")
     with pytest.raises(ValueError, match="pe must be"):
         SANConfig(pe="decay")  # the reference README's --pe decay silently ran NoPE
+    with pytest.raises(ValueError, match="n_layers must be"):
+        SANConfig(n_layers=0)
+
+
+def test_layers_is_the_deprecated_name_of_n_layers():
+    with pytest.warns(DeprecationWarning, match=r"\(layers=...\) is deprecated.*n_layers="):
+        config = SANConfig(layers=4, mask="decay")
+    assert config == SANConfig(n_layers=4, mask="decay")
+    assert len(AttentionOnly(config).qkv) == 4
 
 
 @pytest.fixture

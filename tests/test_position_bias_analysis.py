@@ -33,6 +33,16 @@ def test_smoke_run_writes_every_figure(tmp_path):
 
 
 def test_options_override_the_preset():
-    preset, _ = position_bias.parse_args(["--smoke", "--steps", "7", "--seeds", "1", "2", "--depths", "3"])
-    assert (preset.steps, preset.seeds, preset.depths, preset.test_size) == (7, (1, 2), (3,), 200)
+    preset, _ = position_bias.parse_args(["--smoke", "--steps", "7", "--seeds", "1", "2", "--n-layers", "3"])
+    assert (preset.steps, preset.seeds, preset.n_layers, preset.test_size) == (7, (1, 2), (3,), 200)
     assert position_bias.parse_args([])[0] == position_bias.PRESETS["quick"]
+
+
+def test_old_depth_options_still_work():
+    with pytest.warns(FutureWarning) as record:
+        preset, _ = position_bias.parse_args(["--depths", "3", "--residual-depths", "4", "5"])
+    assert (preset.n_layers, preset.residual_n_layers) == ((3,), (4, 5))
+    assert [str(w.message) for w in record] == [
+        "--depths is deprecated; use --n-layers",
+        "--residual-depths is deprecated; use --residual-n-layers",
+    ]

@@ -1,5 +1,8 @@
 """Retrieval heads and head ablation, checked against slow references and a hand-built copying head."""
 
+import json
+
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -25,7 +28,7 @@ def niah(tokenizer):
 
 def test_needle_answer_positions_decode_to_the_answer(tokenizer):
     sample = tasks.make("passkey", tokenizer, 200, seed=1)
-    occurrences = needle_answer_positions(sample, tokenizer)
+    occurrences = needle_answer_positions(sample)
     assert len(occurrences) == 2  # the passkey needle states its key twice
     (start, end), *_ = sample.spans["supporting"]
     for positions in occurrences:
@@ -33,11 +36,23 @@ def test_needle_answer_positions_decode_to_the_answer(tokenizer):
         assert tokenizer.decode(sample.input_ids[positions]).strip() == sample.answer
 
 
+def test_needle_answer_positions_read_the_sample_offsets_and_warn_about_a_tokenizer(tokenizer):
+    sample = tasks.make("multivalue-niah", tokenizer, 200, seed=2, needles=3)
+    occurrences = needle_answer_positions(sample)
+    assert len(occurrences) == 3  # every city needle holds the shared activity
+    for positions, (start, end) in zip(occurrences, sample.spans["supporting"], strict=True):
+        assert start <= positions.min() and positions.max() < end
+        assert tokenizer.decode(sample.input_ids[positions]).strip() == sample.answer
+    with pytest.warns(DeprecationWarning, match="no longer needed"):
+        old = needle_answer_positions(sample, tokenizer)
+    assert all(torch.equal(a, b) for a, b in zip(old, occurrences, strict=True))
+
+
 def test_needle_answer_positions_refuse_a_needle_without_its_answer(tokenizer):
     sample = tasks.make("niah", tokenizer, 200, seed=0)
     sample.answer = "31415926"  # a number that no needle states
     with pytest.raises(ValueError, match="does not occur in the supporting spans"):
-        needle_answer_positions(sample, tokenizer)
+        needle_answer_positions(sample)
 
 
 def test_copy_hits_by_hand():
@@ -109,7 +124,7 @@ def copying_model(vocab_size: int, offset: int, gain: float = 20.0) -> LlamaForC
 
 
 def test_a_forced_copy_head_scores_one_and_the_others_zero(tokenizer, niah):
-    (needle,) = needle_answer_positions(niah, tokenizer)
+    (needle,) = needle_answer_positions(niah)
     offset = niah.prompt_length - 1 - int(needle[0])  # the last prompt token reads the first answer token
     model = copying_model(len(tokenizer), offset)
     result = probe.retrieval_scores(model, tokenizer, [niah, niah])
@@ -138,9 +153,36 @@ def test_scores_json_round_trip_and_logo_score(tmp_path):
     assert result.retrieval_heads() == [(0, 0), (0, 2)]
     assert result.logo_score() == pytest.approx(0.5)  # mean of 0.8 and 0.2; 0.025 is below 0.1
     assert result.logo_score(k=1) == pytest.approx(0.8)
-    result.save(tmp_path / "heads.json")
+    (tmp_path / "heads.json").write_text(json.dumps(result.to_json()))  # Wu et al.'s published layout
     loaded = RetrievalScores.load(tmp_path / "heads.json")
     torch.testing.assert_close(loaded.mean(), result.mean())
+    assert loaded.settings["require_correct"] is False and not loaded.argmax
+
+
+def test_save_and_load_round_trip_everything(tokenizer, niah, tmp_path):
+    (needle,) = needle_answer_positions(niah)
+    model = copying_model(len(tokenizer), niah.prompt_length - 1 - int(needle[0]))
+    other = tasks.make("passkey", tokenizer, 200, seed=1, depth=0.1)
+    result = probe.retrieval_scores(model, tokenizer, [niah, other])
+    result.save(tmp_path / "scores.json")
+    loaded = RetrievalScores.load(tmp_path / "scores.json")
+    assert torch.equal(loaded.scores, result.scores) and loaded.settings == result.settings
+    pd.testing.assert_frame_equal(loaded.trials, result.trials)
+    assert torch.equal(loaded.counted, result.counted)
+    assert len(loaded.argmax) == 2 and all(
+        torch.equal(a, b) and a.dtype == torch.long for a, b in zip(loaded.argmax, result.argmax, strict=True)
+    )
+    pd.testing.assert_frame_equal(loaded.to_frame(), result.to_frame())
+    assert loaded.to_json() == result.to_json() and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_to_frame_is_one_row_per_head_with_the_mean_best_first():
+    scores = torch.tensor([[[0.1, 0.4], [0.0, 0.5]], [[0.3, 0.2], [0.1, 0.9]]])  # [trials, 2 layers, 2 heads]
+    result = RetrievalScores(scores, pd.DataFrame({"correct": [1.0, 1.0]}), {"require_correct": True})
+    frame = result.to_frame()
+    assert list(frame.columns) == ["layer", "head", "score"]
+    assert list(zip(frame["layer"], frame["head"], strict=True)) == [(1, 1), (0, 1), (0, 0), (1, 0)]
+    np.testing.assert_allclose(frame.score, [0.7, 0.3, 0.2, 0.05], rtol=1e-6)
 
 
 def o_proj_ablation_reference(model, input_ids, heads):

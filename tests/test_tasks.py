@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
 import types
 
+import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from probe import tasks
@@ -112,6 +115,69 @@ def test_to_dict_is_json(case):
     record = json.loads(json.dumps(sample.to_dict()))
     assert record["input_ids"] == sample.input_ids.tolist()
     assert record["task"] == sample.task and record["options"] == sample.options
+    assert record["offsets"] == sample.offsets.tolist()
+
+
+@pytest.mark.parametrize("depth", [DEPTH, (0.1, 0.5, 0.9)])
+def test_from_dict_round_trips_through_json(depth):
+    sample_ = sample("multihop-3", "smollm2-135m", depth=depth)
+    restored = tasks.Sample.from_dict(json.loads(json.dumps(sample_.to_dict())))
+    assert restored.to_dict() == sample_.to_dict() and restored.depth == sample_.depth
+    assert restored.input_ids.dtype == torch.long and torch.equal(restored.input_ids, sample_.input_ids)
+    assert restored.offsets.dtype == np.int64 and np.array_equal(restored.offsets, sample_.offsets)
+    assert restored.spans == sample_.spans and restored.char_spans == sample_.char_spans
+    assert restored.sources == sample_.sources
+    assert torch.equal(restored.target_positions, sample_.target_positions)
+
+
+def test_offsets_are_the_tokenizers_offset_mapping(case):
+    """Kept from rendering: the same as a fresh tokenization of the text, chat (no special tokens added)
+    or completion (``<bos>`` added, at (0, 0))."""
+    sample, tok = case
+    chat = sample.options.get("chat", tok.chat_template is not None)
+    fresh = tok(sample.text, add_special_tokens=not chat, return_offsets_mapping=True)
+    assert fresh["input_ids"] == sample.input_ids.tolist()
+    assert sample.offsets.dtype == np.int64 and sample.offsets.shape == (len(sample.input_ids), 2)
+    assert sample.offsets.tolist() == [list(span) for span in fresh["offset_mapping"]]
+    for category, token_spans in sample.spans.items():
+        for (start, end), (first, last) in zip(token_spans, sample.char_spans[category], strict=True):
+            assert sample.offsets[start, 0] in (first, first - 1)  # - 1: a merged leading space
+            assert sample.offsets[end - 1, 1] == last
+
+
+def test_target_positions_are_the_answer_tokens(case):
+    sample, tok = case
+    positions = sample.target_positions
+    assert positions.dtype == torch.long
+    assert positions.tolist() == list(range(sample.prompt_length, len(sample.input_ids)))
+    assert tok.decode(sample.input_ids[positions]).strip() == sample.answer
+
+
+def test_categories_label_every_token_once(case):
+    sample, _ = case
+    labels = sample.categories
+    assert labels.shape == (len(sample.input_ids),)
+    for category, token_spans in sample.spans.items():
+        assert all((labels[start:end] == category).all() for start, end in token_spans)
+    spanned = sum(end - start for token_spans in sample.spans.values() for start, end in token_spans)
+    assert (labels == "other").sum() == len(labels) - spanned > 0  # template, instruction, separators
+
+
+def test_sources_are_the_context_spans_in_text_order(case):
+    """One source per fact / needle / line / emoji / essay sentence; never the question or the answer."""
+    sample, _ = case
+    sources = sample.sources
+    assert {source.category for source in sources} <= set(tasks.CONTEXT_CATEGORIES)
+    assert {source.category for source in sources} >= {"supporting"}
+    for category in tasks.CONTEXT_CATEGORIES:
+        mine = [source for source in sources if source.category == category]
+        assert [(source.start, source.end) for source in mine] == list(sample.spans[category])
+        assert [source.index for source in mine] == list(range(len(mine)))
+    assert all(a.end <= b.start for a, b in zip(sources, sources[1:], strict=False))  # text order, disjoint
+    (question_start, _), (answer_start, _) = sample.spans["question"][0], sample.spans["answer"][0]
+    assert sources[-1].end <= question_start < answer_start
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sources[0].start = 0
 
 
 def test_chat_template_for_instruct_completion_prompt_for_base():

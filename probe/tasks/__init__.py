@@ -3,7 +3,8 @@
 ``make(task, tokenizer, length, seed, depth, **options)`` builds one :class:`Sample` for a tokenizer:
 the prompt (chat template applied when the tokenizer has one, else a completion prompt ending in
 ``Answer: <answer prefix>``) followed by the gold answer, with token spans per category
-(``supporting``, ``interference``, ``noise``, ``low_frequency``, ``question``, ``answer``).
+(``supporting``, ``interference``, ``noise``, ``low_frequency``, ``question``, ``answer``), token
+offsets, ``target_positions``, ``categories`` and ``sources`` (its ablation units, :class:`Source`).
 ``names()`` lists the text tasks. The vector-valued in-context classification task of the
 position-bias study lives in :mod:`probe.tasks.classification`.
 
@@ -24,7 +25,7 @@ from probe.tasks.haystack import Depth
 from probe.tasks.kv import kv
 from probe.tasks.lines import lines
 from probe.tasks.needle import multivalue_niah, niah, passkey
-from probe.tasks.sample import CATEGORIES, Prompt, Sample, Unit
+from probe.tasks.sample import CATEGORIES, CONTEXT_CATEGORIES, Prompt, Sample, Source, Unit
 from probe.tasks.story import story
 
 TASKS: dict[str, Callable[..., Sample]] = {
@@ -65,4 +66,4 @@ def make(
     return TASKS[task](tokenizer, settings, np.random.default_rng(seed), **options)
 
 
-__all__ = ["CATEGORIES", "Prompt", "Sample", "TASKS", "Unit", "make", "names"]
+__all__ = ["CATEGORIES", "CONTEXT_CATEGORIES", "Prompt", "Sample", "Source", "TASKS", "Unit", "make", "names"]

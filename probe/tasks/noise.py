@@ -67,17 +67,17 @@ def essay_ids(tokenizer: PreTrainedTokenizerBase, length: int, count: int = 1) -
     """``count`` disjoint windows of exactly ``length`` tokens of essay text: LongTensor[length] each.
 
     Window ``w`` tokenizes sentences ``w·length … (w+1)·length − 1`` (a sentence holds at least one
-    token, so that is enough text) with the tokenizer's special tokens, and keeps its first ``length``.
+    token, so that is enough text while the essays last) with the tokenizer's special tokens, and
+    keeps its first ``length``.
     """
     pool = sentences()
-    if count * length > len(pool):
-        raise ValueError(
-            f"the essays hold {len(pool)} sentences, too few for {count} windows of {length} tokens"
-        )
     windows = []
     for window in range(count):
         text = " ".join(pool[window * length : (window + 1) * length])
-        windows.append(tokenizer(text, return_tensors="pt").input_ids[0, :length])
+        ids = tokenizer(text, return_tensors="pt").input_ids[0, :length]
+        if len(ids) < length:
+            raise ValueError(f"the essays hold too little text for {count} windows of {length} tokens")
+        windows.append(ids)
     return windows
 
 

@@ -12,6 +12,10 @@ space) raises, so a span can never silently include a neighbour's text.
 The gold answer is always appended after the prompt (teacher forcing): ``input_ids`` is prompt +
 answer and ``spans["answer"]`` points at the answer tokens; ``prompt_ids`` / ``prompt_text`` are the
 prompt alone, for generation.
+
+A :class:`Sample` knows itself: its token ``offsets`` (kept from that one tokenization), the
+``target_positions`` of its answer, one category per token (``categories``) and its ablation units
+(``sources``). Detectors, metrics, retrieval and denoising read them here; nothing re-tokenizes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "question", "answer")
+#: The categories of the context body: each of their spans is one :class:`Source`.
+CONTEXT_CATEGORIES = ("supporting", "interference", "noise", "low_frequency")
 
 _SENTINEL = "\ue000LONGPROBE_CONTENT\ue000"  # private-use characters: never part of a template
 
@@ -58,6 +64,17 @@ class Prompt:
     answer_separator: str = " "
 
 
+@dataclass(frozen=True)
+class Source:
+    """One ablation unit of a sample: the ``index``-th span of ``category`` (a fact, needle, line,
+    emoji, essay sentence), tokens ``start:end`` of ``input_ids`` (end exclusive)."""
+
+    category: str
+    index: int
+    start: int
+    end: int
+
+
 @dataclass
 class Sample:
     """One task instance for one tokenizer.
@@ -65,8 +82,11 @@ class Sample:
     ``input_ids``: LongTensor [seq] = prompt tokens + gold answer tokens (teacher forcing).
     ``spans``: category -> list of (start, end) token indices into ``input_ids`` (end exclusive), one
     entry per fact / needle / line / emoji / noise sentence, in text order. ``char_spans``: the same
-    ranges in characters of ``text``. ``prompt_length``: number of prompt tokens (the answer starts
-    there). ``length``, ``seed``, ``depth`` and ``options`` are the settings that built it.
+    ranges in characters of ``text``. ``offsets``: int64 array [seq, 2], the character range
+    (start, end) of each token in ``text``, as the tokenizer's offset mapping gave it when the sample
+    was rendered ((0, 0) for an added special token such as ``<bos>``). ``prompt_length``: number
+    of prompt tokens (the answer starts there). ``length``, ``seed``, ``depth`` and ``options`` are
+    the settings that built it.
     """
 
     task: str
@@ -81,6 +101,34 @@ class Sample:
     prompt_length: int
     spans: dict[str, list[tuple[int, int]]]
     char_spans: dict[str, list[tuple[int, int]]] = field(repr=False)
+    offsets: np.ndarray = field(repr=False)
+
+    @property
+    def target_positions(self) -> torch.Tensor:
+        """LongTensor [answer_len]: positions of the teacher-forced answer tokens (row t − 1 predicts t)."""
+        (start, end), *_ = self.spans["answer"]
+        return torch.arange(start, end)
+
+    @property
+    def categories(self) -> np.ndarray:
+        """One category per token, object array [seq]; ``"other"`` where no span covers it (template,
+        instruction, separators)."""
+        labels = np.full(len(self.input_ids), "other", dtype=object)
+        for category, spans in self.spans.items():
+            for start, end in spans:
+                labels[start:end] = category
+        return labels
+
+    @property
+    def sources(self) -> list[Source]:
+        """The ablation units, in text order: one :class:`Source` per span of each category of
+        :data:`CONTEXT_CATEGORIES`; never the question, the answer or uncategorised text."""
+        units = [
+            Source(category, index, start, end)
+            for category in CONTEXT_CATEGORIES
+            for index, (start, end) in enumerate(self.spans.get(category, []))
+        ]
+        return sorted(units, key=lambda source: source.start)
 
     @property
     def prompt_ids(self) -> torch.Tensor:
@@ -107,11 +155,24 @@ class Sample:
         return float(found is not None and found.group(0).lower() == self.answer.lower())
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-Python form (lists, not tensors) for JSON / pandas."""
-        record = asdict(self) | {"input_ids": self.input_ids.tolist()}
+        """Plain-Python form (lists, not tensors or arrays) for JSON / pandas; :meth:`from_dict` reads it."""
+        record = asdict(self) | {"input_ids": self.input_ids.tolist(), "offsets": self.offsets.tolist()}
         for key in ("spans", "char_spans"):
             record[key] = {cat: [list(s) for s in spans] for cat, spans in record[key].items()}
         return record
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Sample:
+        """The sample :meth:`to_dict` wrote (also after a JSON round trip)."""
+        depth = record["depth"]
+        fields = record | {
+            "depth": tuple(depth) if isinstance(depth, list) else depth,
+            "input_ids": torch.tensor(record["input_ids"], dtype=torch.long),
+            "offsets": np.asarray(record["offsets"], dtype=np.int64).reshape(-1, 2),
+        }
+        for key in ("spans", "char_spans"):
+            fields[key] = {cat: [tuple(s) for s in spans] for cat, spans in record[key].items()}
+        return cls(**fields)
 
 
 def uses_chat(tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> bool:
@@ -179,7 +240,7 @@ def render(
     text = built.text
 
     encoding = tokenizer(text, add_special_tokens=not with_chat, return_offsets_mapping=True)
-    offsets = np.asarray(encoding["offset_mapping"]).reshape(-1, 2)
+    offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     spans = {cat: [_token_span(text, offsets, s) for s in built.char_spans[cat]] for cat in CATEGORIES}
     return Sample(
         **settings,
@@ -190,6 +251,7 @@ def render(
         prompt_length=spans["answer"][0][0],
         spans=spans,
         char_spans=built.char_spans,
+        offsets=offsets,
     )
 
 
