@@ -8,10 +8,11 @@
    LSD > α alone and LSD > α and LCL > β classify answer vs non-answer tokens (paper: 85.6 % / 98.2 %).
 2. **LongPPL vs PPL as predictors** (Table 1, Fig. 1b). Model variants with different long-context
    ability — SmolLM2 and Gemma 3 with attention limited to the last W tokens
-   (:func:`probe.probe.attention_window`) — get PPL, LongPPL and LongPPL-soft on Paul Graham essay
-   text, key tokens chosen by one fixed evaluator (full Gemma 3; SmolLM2's tokens are aligned by
-   characters), and teacher-forced accuracy on passkey (and, in full runs, lines and multihop-1)
-   at the same length; Pearson correlations across variants.
+   (:func:`probe.attention_window`) — get PPL, LongPPL and LongPPL-soft on Paul Graham essay
+   text (:func:`probe.tasks.noise.essay_documents`), key tokens chosen by one fixed evaluator (full
+   Gemma 3; SmolLM2's tokens are aligned by characters), each pooled per token over the documents
+   (:func:`probe.lsd.pool_longppl`), and teacher-forced accuracy on passkey (and, in full runs,
+   lines and multihop-1) at the same length; Pearson correlations across variants.
 
 K and d are small (our models are small and slow on CPU): the defaults K = d = 128.
 
@@ -38,8 +39,8 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
-from probe import lsd, tasks
-from probe.tasks.noise import sentences
+from probe import logprobs, lsd, tasks
+from probe.tasks.noise import essay_documents
 
 MAX_DEPTH = 0.6  # the asked line / needle lies in the first 60 % of the context
 
@@ -53,19 +54,19 @@ def answer_token_rows(model, tokenizer, name: str, length: int, seed: int, K: in
     sample = tasks.make("lines", tokenizer, length, seed=seed, depth=sample_depth(seed))
     (question, _), *_ = sample.spans["question"]
     (answer_start, answer_end), *_ = sample.spans["answer"]
-    positions = torch.arange(question, answer_end)
-    long = lsd.long_logprobs(model, sample.input_ids, positions)
-    short = lsd.short_logprobs(model, sample.input_ids, K, d, positions=positions)
+    target_positions = torch.arange(question, answer_end)
+    long = logprobs.long_logprobs(model, sample.input_ids, target_positions)
+    short = logprobs.short_logprobs(model, sample.input_ids, K, d, target_positions=target_positions)
     return pd.DataFrame(
         {
             "model": name,
             "length": length,
             "seed": seed,
-            "position": positions.numpy(),
-            "kind": np.where(positions >= answer_start, "answer", "non-answer"),
-            "lsd": (long.target - short.target)[positions].numpy(),
-            "lcl": long.target[positions].numpy(),
-            "greedy": long.greedy[positions].numpy(),
+            "position": target_positions.numpy(),
+            "kind": np.where(target_positions >= answer_start, "answer", "non-answer"),
+            "lsd": (long.target - short.target)[target_positions].numpy(),
+            "lcl": long.target[target_positions].numpy(),
+            "greedy": long.greedy[target_positions].numpy(),
         }
     )
 
@@ -126,26 +127,13 @@ def plot_answer_lsd(tokens: pd.DataFrame, alpha: float, beta: float) -> plt.Figu
     return fig
 
 
-def essay_documents(tokenizer, length: int, count: int) -> list[str]:
-    """``count`` disjoint runs of consecutive essay sentences, each just over ``length`` tokens."""
-    documents, current = [], []
-    for sentence in sentences():
-        current.append(sentence)
-        if len(tokenizer(" ".join(current)).input_ids) > length:
-            documents.append(" ".join(current[:-1]))
-            current = []
-            if len(documents) == count:
-                return documents
-    raise ValueError(f"the essays hold fewer than {count} documents of {length} tokens")
-
-
 def task_accuracy(model, tokenizer, task: str, length: int, samples: int) -> float:
     """Teacher-forced exact match: the share of samples whose answer tokens are all greedy predictions."""
     correct = []
     for seed in range(samples):
         sample = tasks.make(task, tokenizer, length, seed=seed, depth=sample_depth(seed))
         (start, end), *_ = sample.spans["answer"]
-        scores = lsd.long_logprobs(model, sample.input_ids, range(start, end))
+        scores = logprobs.long_logprobs(model, sample.input_ids, range(start, end))
         correct.append(bool(scores.greedy[start:end].all()))
     return float(np.mean(correct))
 
@@ -167,7 +155,7 @@ def plot_correlation(variants: pd.DataFrame, table: pd.DataFrame) -> plt.Figure:
     for ax, (_, row) in zip(axes, table.iterrows(), strict=True):
         sns.scatterplot(variants, x=row.metric, y="accuracy", hue="model", style="window", s=60, ax=ax)
         ax.set(title=f"{row.metric}: Pearson r = {row.pearson_r:.2f}", xscale="log")
-        if ax is not axes[-1]:
+        if ax is not axes[-1] and ax.get_legend() is not None:  # no legend when every value is NaN
             ax.get_legend().remove()
     fig.suptitle("Model variants (attention limited to the last W tokens): accuracy vs perplexity measures")
     fig.tight_layout()
@@ -256,28 +244,21 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
     for name, window in tqdm(variants, desc="variants"):
         net, tokenizer = model(name)
         with probe.attention_window(net, window):
-            results = [lsd.longppl(k.text, net, tokenizer, key_tokens=k) for k in keys]
+            pooled = lsd.pool_longppl([lsd.longppl(k.text, net, tokenizer, key_tokens=k) for k in keys])
             accuracy = {
                 task: task_accuracy(net, tokenizer, task, args.length, args.task_samples)
                 for task in args.tasks
             }
-        n_key = sum(r.n_key_tokens for r in results)
         rows.append(
             dict(
                 variant=variant_name(name, window),
                 model=name,
                 window="full" if window is None else str(window),
-                ppl=np.exp(
-                    sum(r.n_tokens * np.log(r.ppl) for r in results) / sum(r.n_tokens for r in results)
-                ),
-                longppl=np.exp(
-                    sum(r.n_key_tokens * np.log(r.longppl) for r in results if r.n_key_tokens) / n_key
-                )
-                if n_key
-                else np.nan,
-                longppl_soft=np.exp(np.mean([np.log(r.longppl_soft) for r in results])),
-                n_key_tokens=n_key,
-                n_tokens=sum(r.n_tokens for r in results),
+                ppl=pooled.ppl,
+                longppl=pooled.longppl,
+                longppl_soft=pooled.longppl_soft,
+                n_key_tokens=pooled.n_key_tokens,
+                n_tokens=pooled.n_tokens,
                 **{f"accuracy_{task}": value for task, value in accuracy.items()},
                 accuracy=np.mean(list(accuracy.values())),
             )

@@ -34,12 +34,13 @@ OFFICIAL = "longppl==0.3.0"
 
 
 def essay_text(tokenizer, length: int, K: int, d: int) -> str:
-    """About ``length`` tokens of essay text, avoiding the official code's crash on a 1-token last window."""
-    from probe.tasks.noise import sentences
+    """About ``length`` tokens of essay text (:func:`probe.tasks.noise.essay_ids`), cut a few tokens
+    short where needed to avoid the official code's crash on a 1-token last window."""
+    from probe.tasks.noise import essay_ids
 
-    ids = tokenizer(" ".join(sentences()[:3000])).input_ids
+    (ids,) = essay_ids(tokenizer, length)
     for cut in range(length, length - 8, -1):
-        text = tokenizer.decode(ids[:cut])
+        text = tokenizer.decode(ids[:cut], skip_special_tokens=True)
         if (len(tokenizer(text).input_ids) - K) % d != 1:
             return text
     raise RuntimeError("no cut avoids a 1-token last window")

@@ -21,7 +21,7 @@ from probe.denoise import noise_restraint
 from probe.detectors import Detection, detect
 from probe.generation import answer
 from probe.graph import context_selector
-from probe.lsd import longppl, token_lsd
+from probe.lsd import longppl, pool_longppl, token_lsd
 from probe.models import load_model, tiny_model, to_bridge
 from probe.retrieval import RetrievalScores, retrieval_scores
 
@@ -46,6 +46,7 @@ __all__ = [
     "longppl",
     "mask_keys",
     "noise_restraint",
+    "pool_longppl",
     "retrieval_scores",
     "target_loss",
     "tiny_model",

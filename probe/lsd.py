@@ -1,5 +1,5 @@
-"""Long-short difference, key tokens, LongPPL and LongCE (seed 000: Fang et al., "What is wrong
-with perplexity for long-context language modeling?", ICLR 2025).
+"""Long-short difference, key tokens and LongPPL (seed 000: Fang et al., "What is wrong with
+perplexity for long-context language modeling?", ICLR 2025).
 
 For the token x_t at position t of a sequence (t = 0 … n−1, predicted from x_<t):
 
@@ -8,207 +8,77 @@ For the token x_t at position t of a sequence (t = 0 … n−1, predicted from x
 - key token: LSD > α and LCL > β, strict                        (eq. 4; α = 2, β = −2)
 - LongPPL = exp(mean NLL of the key tokens), scored by the evaluated model while an evaluator
   model picks the key tokens (eq. 4); LongPPL-soft weights every token by I_soft instead
-- I_soft = min(exp(LSD), γ) and LongCE = −1/n Σ I_soft · log P   (eqs. 6–7; γ = 5)
+- I_soft = min(exp(LSD), γ)                                     (eq. 7; γ = 5)
 
-**Short contexts** (App. A.1, eq. 8). Scored tokens come in blocks of ``d`` that share one window
-start, so one forward pass over K + d tokens scores d tokens; windows of equal length are batched.
-Our default scores every token that has *more* than K tokens before it (t ≥ K + 1): block j holds
-tokens K+1+jd … K+jd+d and starts its window at 1 + jd, so a token sees between K and K+d−1 previous
-tokens, and ``d = 1`` is the exact mode (each token sees exactly its K previous tokens).
-``official=True`` reproduces the official package (PyPI ``longppl`` 0.3.0): scored tokens t ≥ K,
-window start jd — the first block then sees its whole prefix (its LSD is 0, one wasted pass).
-
-**Memory** (DESIGN decision 4): no pass ever holds [seq, vocab] logits. Passes return final hidden
-states; the LM head (with Gemma's final logit soft-capping) and the log-softmax run on row chunks of
-at most ``HEAD_CHUNK_ELEMENTS`` logits, checkpointed when gradients flow (LongCE).
-
-**Evaluator ≠ evaluated model** (App. A.1, eqs. 9–10): values travel between tokenizations through the
-characters of the text. Our default reads only the non-whitespace characters of a token, so the
-leading-space conventions of different tokenizers do not matter; ``official=True`` requires plain
-containment of the token's raw character span, as the official code does. Tokenizers that give no
-offsets get them rebuilt by decoding (:func:`decoded_offsets`).
+The two log-probabilities come from :mod:`probe.logprobs` (its docstring describes the sliding
+short-context windows of App. A.1, eq. 8, and ``official=True``). When the evaluator is not the
+evaluated model (App. A.1, eqs. 9–10), key tokens and weights travel between the tokenizations
+through the characters of the text (:mod:`probe.alignment`). A :class:`LongPPLResult` keeps the
+per-token sums behind its scores, so :func:`pool_longppl` pools documents per token, as a
+corpus-level LongPPL is defined. LongCE (eqs. 6–7) is in :mod:`probe.objectives`.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedTokenizerBase
 
-from probe.capture import check_input_ids, check_positions, hf_model
+from probe import alignment, logprobs
+from probe.capture import hf_model
+from probe.deprecation import renamed_arguments
+from probe.results import read_json, write_json
 
-HEAD_CHUNK_ELEMENTS = 2**25  # logits materialized at once (rows × vocab): 128 MiB in fp32
-BATCH_TOKENS = 8192  # tokens per batched forward pass of short-context windows
-
-
-# --------------------------------------------------------------------------- log-probabilities
-
-
-class LogProbs(NamedTuple):
-    """Per-token scores, each Tensor[seq]; NaN where a token was not scored."""
-
-    target: torch.Tensor  # log P(x_t | context)
-    top: torch.Tensor  # max_v log P(v | context): the greedy choice's log-probability
-
-    @property
-    def greedy(self) -> torch.Tensor:
-        """BoolTensor[seq]: x_t is the model's greedy (argmax) prediction."""
-        return self.target == self.top
+__all__ = [
+    "KeyTokens",
+    "LongPPLResult",
+    "find_key_tokens",
+    "key_token_mask",
+    "longppl",
+    "lsd_scores",
+    "pool_longppl",
+    "soft_influence",
+    "token_lsd",
+]
 
 
-def final_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Hidden states after the final norm, Tensor[batch, seq, hidden], without the LM head."""
-    return hf_model(model).base_model(input_ids=input_ids, use_cache=False).last_hidden_state
-
-
-def _head_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """LM head + soft-capping + log-softmax for Tensor[rows, hidden]; (target, top) log-probs [rows]."""
-    inner = hf_model(model)
-    logits = inner.get_output_embeddings()(hidden).float()
-    cap = getattr(inner.config.get_text_config(), "final_logit_softcapping", None)
-    if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    norm = logits.logsumexp(-1)
-    return logits.gather(-1, targets[:, None])[:, 0] - norm, logits.max(-1).values - norm
-
-
-def target_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> LogProbs:
-    """Log-probabilities of ``targets`` [rows] from final hidden states [rows, hidden], in row chunks.
-
-    When ``hidden`` requires grad each chunk is checkpointed, so the backward pass recomputes its
-    logits instead of keeping [rows, vocab] of them alive.
-    """
-    vocab = hf_model(model).get_output_embeddings().weight.shape[0]
-    rows = max(1, HEAD_CHUNK_ELEMENTS // vocab)
-    chunks = []
-    for chunk, chunk_targets in zip(hidden.split(rows), targets.split(rows), strict=True):
-        if chunk.requires_grad:
-            chunks.append(checkpoint(_head_logprobs, model, chunk, chunk_targets, use_reentrant=False))
-        else:
-            chunks.append(_head_logprobs(model, chunk, chunk_targets))
-    return LogProbs(*(torch.cat(parts) for parts in zip(*chunks, strict=True)))
-
-
-def _scattered(scores: LogProbs, positions: torch.Tensor, seq: int) -> LogProbs:
-    """``scores`` of ``positions`` placed into Tensor[seq]s, NaN elsewhere."""
-    full = [torch.full((seq,), float("nan"), device=positions.device) for _ in scores]
-    for tensor, values in zip(full, scores, strict=True):
-        tensor[positions] = values
-    return LogProbs(*full)
-
-
-@torch.no_grad()
-def long_logprobs(
-    model, input_ids: torch.Tensor | Sequence[int], positions: Sequence[int] | None = None
-) -> LogProbs:
-    """log P(x_t | x_<t) from one full forward pass: Tensor[seq]s, NaN at t = 0 (no prediction).
-
-    ``positions`` (each ≥ 1) limits the LM head to those tokens; the others are NaN.
-    """
-    ids = check_input_ids(model, input_ids)
-    seq = ids.shape[1]
-    if positions is None:
-        positions = torch.arange(1, seq, device=ids.device)
-    else:
-        positions = check_positions(positions, seq, "positions", minimum=1).to(ids.device)
-    if seq < 2:
-        raise ValueError("a 1-token sequence has no token to predict")
-    hidden = final_hidden_states(model, ids)[0]
-    return _scattered(target_logprobs(model, hidden[positions - 1], ids[0, positions]), positions, seq)
-
-
-def short_context_blocks(seq: int, K: int, d: int, official: bool = False) -> list[tuple[int, int, int]]:
-    """The sliding-window scheme (App. A.1, eq. 8) as ``(window_start, first, end)`` triples.
-
-    Tokens ``first … end−1`` are scored by one forward pass over ``x[window_start:end]``, and
-    ``first − window_start = K`` always. Default: the first block starts at token K + 1 (the first
-    token with a truncated context); ``official=True``: at token K with window start 0.
-    """
-    if K < 1 or d < 1:
-        raise ValueError(f"K and d must be positive, got K={K}, d={d}")
-    first = K if official else K + 1
-    if seq <= first:
-        raise ValueError(
-            f"a {seq}-token sequence has no token at position ≥ {first}, so no token gets a short-context "
-            f"score with K={K}; use K < {seq - (0 if official else 1)} or a longer text"
-        )
-    return [(start - K, start, min(start + d, seq)) for start in range(first, seq, d)]
-
-
-@torch.no_grad()
-def short_logprobs(
-    model,
-    input_ids: torch.Tensor | Sequence[int],
-    K: int = 4096,
-    d: int = 1024,
-    official: bool = False,
-    positions: Sequence[int] | None = None,
-    batch_tokens: int = BATCH_TOKENS,
-) -> LogProbs:
-    """log P(x_t | s_t) under the short contexts of :func:`short_context_blocks`: Tensor[seq]s.
-
-    NaN where a token gets no short-context score (t ≤ K; official: t < K). Windows of equal
-    length run ``batch_tokens // length`` at a time. ``positions`` skips blocks holding none of them.
-    """
-    ids = check_input_ids(model, input_ids)[0]
-    blocks = short_context_blocks(len(ids), K, d, official)
-    if positions is not None:
-        wanted = check_positions(positions, len(ids), "positions", minimum=1)
-        blocks = [b for b in blocks if ((wanted >= b[1]) & (wanted < b[2])).any()]
-    by_length: dict[int, list[tuple[int, int, int]]] = {}
-    for block in blocks:
-        by_length.setdefault(block[2] - block[0], []).append(block)
-    scored, parts = [], []
-    for length, group in by_length.items():
-        per_pass = max(1, batch_tokens // length)
-        for i in range(0, len(group), per_pass):
-            batch = group[i : i + per_pass]
-            windows = torch.stack([ids[start:end] for start, _, end in batch])  # [B, K + block]
-            hidden = final_hidden_states(model, windows)[:, K - 1 : -1]  # rows predicting windows[:, K:]
-            parts.append(
-                target_logprobs(model, hidden.reshape(-1, hidden.shape[-1]), windows[:, K:].reshape(-1))
-            )
-            scored += [torch.arange(first, end) for _, first, end in batch]
-    if not parts:  # no wanted position has a short context: nothing scored
-        none = torch.empty(0, device=ids.device)
-        return _scattered(LogProbs(none, none), none.long(), len(ids))
-    scores = LogProbs(*(torch.cat(p) for p in zip(*parts, strict=True)))
-    return _scattered(scores, torch.cat(scored).to(ids.device), len(ids))
-
-
+@renamed_arguments(positions="target_positions")
 def lsd_scores(
     model,
     input_ids: torch.Tensor | Sequence[int],
     K: int = 4096,
     d: int = 1024,
     official: bool = False,
-    positions: Sequence[int] | None = None,
+    target_positions: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(LSD, LCL), each Tensor[seq] (eqs. 2–3), for detectors and the scores below.
+    """(LSD, LCL), each Tensor[seq] (eqs. 2–3), for ``input_ids`` [seq] or [1, seq].
 
     LSD is NaN where no short-context score exists (t ≤ K by default, t < K with ``official``);
-    LCL is NaN only at t = 0. With ``positions`` both are NaN outside them.
+    LCL is NaN only at t = 0. With ``target_positions`` (each ≥ 1) both are NaN outside them.
     """
-    long = long_logprobs(model, input_ids, positions)
-    short = short_logprobs(model, input_ids, K, d, official, positions)
+    long = logprobs.long_logprobs(model, input_ids, target_positions)
+    short = logprobs.short_logprobs(model, input_ids, K, d, official, target_positions=target_positions)
     return long.target - short.target, long.target
 
 
 def key_token_mask(
     lsd: torch.Tensor, lcl: torch.Tensor, alpha: float = 2.0, beta: float = -2.0
 ) -> torch.Tensor:
-    """I(x_t) of eq. 4: LSD > α and LCL > β (strict, as in the paper and the official code); NaN → False."""
+    """I(x_t) of eq. 4, BoolTensor[seq] from Tensor[seq]s: LSD > α and LCL > β (strict, as in the paper
+    and the official code); NaN → False."""
     return (lsd > alpha) & (lcl > beta)
 
 
 def soft_influence(lsd: torch.Tensor, gamma: float = 5.0) -> torch.Tensor:
-    """I_soft(x_t) = min(exp(LSD), γ) (eq. 7); NaN stays NaN (no short-context score)."""
+    """I_soft(x_t) = min(exp(LSD), γ) (eq. 7), Tensor[seq]; NaN stays NaN (no short-context score)."""
     return torch.clamp(lsd.exp(), max=gamma)
 
 
@@ -222,13 +92,13 @@ def token_lsd(
     official: bool = False,
 ) -> pd.DataFrame:
     """One row per token of ``text``: position, token_id, token (its text), char_start, char_end,
-    long_logprob, short_logprob, lsd, lcl, greedy (the long-context argmax).
+    long_logprob, short_logprob, lsd, lcl (eqs. 2–3), greedy (the long-context argmax).
 
     Log-probs are NaN where undefined (see :func:`lsd_scores`); settings are in ``frame.attrs``.
     """
-    ids, offsets = encode(tokenizer, text)
-    long = long_logprobs(model, ids)
-    short = short_logprobs(model, ids, K, d, official)
+    ids, offsets = alignment.encode(tokenizer, text)
+    long = logprobs.long_logprobs(model, ids)
+    short = logprobs.short_logprobs(model, ids, K, d, official)
     pieces = tokenizer.convert_ids_to_tokens(ids.tolist())
     frame = pd.DataFrame(
         {
@@ -248,111 +118,12 @@ def token_lsd(
     return frame
 
 
-# --------------------------------------------------------------------------- tokens and characters
+def _model_name(model) -> str | None:
+    """The last part of the model's ``name_or_path`` (``"smollm2-135m"``), ``None`` for unnamed models."""
+    return Path(hf_model(model).config.name_or_path).name or None
 
 
-def encode(
-    tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True
-) -> tuple[torch.Tensor, np.ndarray]:
-    """``text`` as LongTensor[seq] ids and int array[seq, 2] character offsets (end exclusive).
-
-    Tokenizers that give no offsets (tiktoken-based ones raise ``NotImplementedError``, Python
-    "slow" tokenizers silently omit them) get offsets from :func:`decoded_offsets`.
-    """
-    try:
-        encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    except (NotImplementedError, ValueError):
-        encoding = tokenizer(text, add_special_tokens=add_special_tokens)
-    ids = list(encoding["input_ids"])
-    if "offset_mapping" in encoding:
-        offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    else:
-        offsets = decoded_offsets(tokenizer, ids, text)
-    return torch.tensor(ids, dtype=torch.long), offsets
-
-
-def decoded_offsets(
-    tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], text: str, lookback: int = 4
-) -> np.ndarray:
-    """Character offsets [seq, 2] rebuilt by decoding, for tokenizers without offset mapping.
-
-    Token i's text is what it adds to the decoding of its ``lookback`` predecessors: decode(x_{i−w..i})
-    minus decode(x_{i−w..i−1}). The context keeps SentencePiece's leading spaces, which a window's
-    first token loses, and completes characters split over several byte tokens (an incomplete
-    trailing character, decoded as U+FFFD, is left to the token that completes it; the others get
-    empty spans). Special tokens add nothing. Raises if the pieces do not spell ``text``.
-    """
-
-    def decode(piece: Sequence[int]) -> str:
-        return tokenizer.decode(list(piece), skip_special_tokens=True).rstrip("\ufffd")
-
-    pieces = []
-    for i in range(len(ids)):
-        before, through = decode(ids[max(0, i - lookback) : i]), decode(ids[max(0, i - lookback) : i + 1])
-        pieces.append(through[len(before) :] if through.startswith(before) else None)
-    if None in pieces or "".join(pieces) != text:
-        raise ValueError(
-            f"{type(tokenizer).__name__} gives no character offsets and its token-by-token decoding does "
-            "not reproduce the text (it normalizes the text), so tokens cannot be mapped to characters; "
-            "use a fast tokenizer (use_fast=True) or the same tokenizer for both models"
-        )
-    lengths = np.array([len(p) for p in pieces], dtype=np.int64)
-    ends = np.cumsum(lengths)
-    return np.stack([ends - lengths, ends], axis=1)
-
-
-def transfer_to_tokens(
-    text: str,
-    source_offsets: np.ndarray,
-    source_values: np.ndarray,
-    target_offsets: np.ndarray,
-    reduce: str,
-    skip_spaces: bool = True,
-) -> np.ndarray:
-    """Carry per-token values of one tokenization of ``text`` to another, through its characters.
-
-    Each character takes the value of the source token that covers it (NaN if none). A target
-    token reads its non-whitespace characters (all of them if it has only whitespace, or if
-    ``skip_spaces=False``) and gets, as float array[target]:
-
-    - ``reduce="all"``: 1.0 if every character read has value 1, else 0.0 — with source values 1 on
-      key tokens, the key tokens of the evaluated model (App. A.1, eq. 9: its key tokens decode to
-      text inside the evaluator's key text);
-    - ``reduce="mean"``: the mean over the characters read that carry a value — the string-level
-      weight average of eq. 10 (NaN if none does).
-
-    Tokens with no characters (special tokens) get NaN.
-    """
-    if reduce not in ("all", "mean"):
-        raise ValueError(f"reduce must be 'all' or 'mean', got {reduce!r}")
-    chars = np.full(len(text), np.nan)
-    for (start, end), value in zip(source_offsets, source_values, strict=True):
-        chars[start:end] = value
-    space = np.array([c.isspace() for c in text], dtype=bool) & skip_spaces
-    result = np.full(len(target_offsets), np.nan)
-    for i, (start, end) in enumerate(target_offsets):
-        read = chars[start:end] if space[start:end].all() else chars[start:end][~space[start:end]]
-        if len(read) == 0:
-            continue
-        if reduce == "all":
-            result[i] = float(np.all(read == 1))
-        elif not np.isnan(read).all():
-            result[i] = np.nanmean(read)
-    return result
-
-
-def character_runs(offsets: np.ndarray, selected: np.ndarray) -> list[tuple[int, int]]:
-    """Character spans of the selected tokens, touching spans merged: [(start, end), ...]."""
-    runs: list[list[int]] = []
-    for start, end in offsets[np.asarray(selected, dtype=bool)]:
-        if runs and start <= runs[-1][1]:
-            runs[-1][1] = max(runs[-1][1], int(end))
-        else:
-            runs.append([int(start), int(end)])
-    return [tuple(run) for run in runs]
-
-
-# --------------------------------------------------------------------------- LongPPL
+# --------------------------------------------------------------------------- key tokens
 
 
 @dataclass
@@ -361,6 +132,7 @@ class KeyTokens:
 
     ``input_ids`` / ``offsets`` [seq] / [seq, 2] are the evaluator's tokens; ``lsd``, ``lcl``,
     ``soft`` (I_soft) are Tensor[seq] (NaN where undefined); ``key`` is BoolTensor[seq] (eq. 4).
+    ``settings``: K, d, alpha, beta, gamma, official and the evaluator's name (``None`` if unknown).
     """
 
     text: str
@@ -370,12 +142,52 @@ class KeyTokens:
     lcl: torch.Tensor
     key: torch.Tensor
     soft: torch.Tensor
-    settings: dict = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def spans(self) -> list[tuple[int, int]]:
         """Character spans of the key tokens in ``text``, touching spans merged."""
-        return character_runs(self.offsets, self.key.cpu().numpy())
+        return alignment.character_runs(self.offsets, self.key.cpu().numpy())
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per evaluator token: position, token_id, char_start, char_end, lsd, lcl, key, soft.
+
+        The settings are in ``frame.attrs``.
+        """
+        frame = pd.DataFrame(
+            {
+                "position": np.arange(len(self.input_ids)),
+                "token_id": self.input_ids.numpy(),
+                "char_start": self.offsets[:, 0],
+                "char_end": self.offsets[:, 1],
+                "lsd": self.lsd.numpy(),
+                "lcl": self.lcl.numpy(),
+                "key": self.key.numpy(),
+                "soft": self.soft.numpy(),
+            }
+        )
+        frame.attrs = dict(self.settings)
+        return frame
+
+    def save(self, path: str | Path) -> None:
+        """Write text, tokens, scores and settings as JSON (NaN as ``NaN``), atomically."""
+        arrays = ("input_ids", "offsets", "lsd", "lcl", "key", "soft")
+        record = {name: getattr(self, name).tolist() for name in arrays}
+        write_json(path, record | {"text": self.text, "settings": self.settings})
+
+    @classmethod
+    def load(cls, path: str | Path) -> KeyTokens:
+        record = read_json(path)
+        return cls(
+            text=record["text"],
+            input_ids=torch.tensor(record["input_ids"], dtype=torch.long),
+            offsets=np.asarray(record["offsets"], dtype=np.int64).reshape(-1, 2),
+            lsd=torch.tensor(record["lsd"], dtype=torch.float32),
+            lcl=torch.tensor(record["lcl"], dtype=torch.float32),
+            key=torch.tensor(record["key"], dtype=torch.bool),
+            soft=torch.tensor(record["soft"], dtype=torch.float32),
+            settings=record["settings"],
+        )
 
 
 def find_key_tokens(
@@ -390,28 +202,110 @@ def find_key_tokens(
     official: bool = False,
 ) -> KeyTokens:
     """Score ``text`` with the evaluator (eqs. 2–4, 7); its tokenizer adds its special tokens (BOS)."""
-    ids, offsets = encode(evaluator_tokenizer, text)
+    ids, offsets = alignment.encode(evaluator_tokenizer, text)
     lsd, lcl = lsd_scores(evaluator, ids, K, d, official)
-    settings = dict(K=K, d=d, alpha=alpha, beta=beta, gamma=gamma, official=official)
+    settings = dict(
+        K=K, d=d, alpha=alpha, beta=beta, gamma=gamma, official=official, evaluator=_model_name(evaluator)
+    )
     key, soft = key_token_mask(lsd, lcl, alpha, beta), soft_influence(lsd, gamma)
     return KeyTokens(text, ids, offsets, lsd.cpu(), lcl.cpu(), key.cpu(), soft.cpu(), settings)
 
 
+# --------------------------------------------------------------------------- LongPPL
+
+
 @dataclass(frozen=True)
 class LongPPLResult:
-    """LongPPL (eq. 4), LongPPL-soft (eq. 4 with I_soft), PPL (eq. 1) of one text.
+    """LongPPL (eq. 4), LongPPL-soft (eq. 4 with I_soft, eq. 7) and PPL (eq. 1) of one text or corpus.
 
-    ``longppl`` is NaN when there is no key token. ``n_tokens`` counts the predicted tokens
-    (official: the sequence length, first token included). ``key_spans``: the evaluator's key
-    tokens as character spans of the text.
+    The result keeps the per-token sums its scores are ratios of, with nll_t = −log P(x_t | x_<t)
+    of the evaluated model, so that documents pool per token (:func:`pool_longppl`):
+
+    - ``nll_sum`` = Σ_t nll_t over the ``n_predicted`` predicted tokens (all but the first);
+    - ``key_nll_sum`` = Σ nll_t over the ``n_key_tokens`` key tokens;
+    - ``soft_nll_sum`` = Σ w_t·nll_t and ``soft_weight_sum`` = Σ w_t over the tokens with a weight
+      w_t = I_soft (tokens without a short-context score carry none).
+
+    ``n_tokens`` is the count reported (default: ``n_predicted``; official: the sequence length,
+    first token included, as the official package counts). ``key_spans``: the evaluator's key tokens
+    as character spans of the text (empty for a pooled result: its documents are different texts).
+    ``settings``: K, d, alpha, beta, gamma, official, the evaluator's and the model's names
+    (``None`` if unknown), and ``documents`` for a pooled result.
     """
 
-    longppl: float
-    longppl_soft: float
-    ppl: float
+    nll_sum: float
+    n_predicted: int
+    key_nll_sum: float
     n_key_tokens: int
+    soft_nll_sum: float
+    soft_weight_sum: float
     n_tokens: int
     key_spans: list[tuple[int, int]]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def longppl(self) -> float:
+        """exp(Σ_key nll / n_key) (eq. 4); NaN when there is no key token."""
+        return float(np.exp(self.key_nll_sum / self.n_key_tokens)) if self.n_key_tokens else float("nan")
+
+    @property
+    def longppl_soft(self) -> float:
+        """exp(Σ w·nll / Σ w), w = I_soft (eq. 7); NaN when no token has a weight."""
+        if not self.soft_weight_sum:
+            return float("nan")
+        return float(np.exp(self.soft_nll_sum / self.soft_weight_sum))
+
+    @property
+    def ppl(self) -> float:
+        """exp(Σ nll / n_predicted) (eq. 1)."""
+        return float(np.exp(self.nll_sum / self.n_predicted)) if self.n_predicted else float("nan")
+
+    @classmethod
+    def from_tokens(
+        cls,
+        nll: np.ndarray,
+        key: np.ndarray,
+        weights: np.ndarray,
+        n_tokens: int | None = None,
+        key_spans: Sequence[tuple[int, int]] = (),
+        settings: dict[str, Any] | None = None,
+    ) -> LongPPLResult:
+        """The result of one text from its per-token values, each array[seq] over the evaluated tokens.
+
+        ``nll``: −log P(x_t | x_<t), NaN where not predicted (t = 0); ``key``: bool, the key tokens
+        (eq. 4; unpredicted ones are dropped); ``weights``: I_soft (eq. 7), NaN where a token has
+        none. ``n_tokens`` defaults to the number of predicted tokens.
+        """
+        predicted = ~np.isnan(nll)
+        key = key & predicted  # a key token at position 0 has no prediction
+        soft = ~np.isnan(weights) & predicted
+        return cls(
+            nll_sum=float(nll[predicted].sum()),
+            n_predicted=int(predicted.sum()),
+            key_nll_sum=float(nll[key].sum()),
+            n_key_tokens=int(key.sum()),
+            soft_nll_sum=float((weights[soft] * nll[soft]).sum()),
+            soft_weight_sum=float(weights[soft].sum()),
+            n_tokens=int(predicted.sum()) if n_tokens is None else n_tokens,
+            key_spans=list(key_spans),
+            settings=dict(settings or {}),
+        )
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row: longppl, longppl_soft, ppl, the counts and sums, n_key_spans, then the settings."""
+        record = asdict(self)
+        spans, settings = record.pop("key_spans"), record.pop("settings")
+        scores = dict(longppl=self.longppl, longppl_soft=self.longppl_soft, ppl=self.ppl)
+        return pd.DataFrame([scores | record | {"n_key_spans": len(spans)} | settings])
+
+    def save(self, path: str | Path) -> None:
+        """Write the sums, counts, key spans and settings as JSON, atomically."""
+        write_json(path, asdict(self))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LongPPLResult:
+        record = read_json(path)
+        return cls(**record | {"key_spans": [tuple(span) for span in record["key_spans"]]})
 
 
 @torch.no_grad()
@@ -433,9 +327,11 @@ def longppl(
 
     ``key_tokens`` from :func:`find_key_tokens` skips the evaluator. When both models tokenize the
     text identically the key tokens carry over one to one; otherwise through characters
-    (:func:`transfer_to_tokens`). When the evaluator is the model itself its long pass is reused.
-    ``official=True`` also tokenizes for the evaluated model without special tokens, matches by raw
-    containment and counts ``n_tokens`` as the official package does.
+    (:func:`probe.alignment.transfer_to_tokens`, App. A.1 eqs. 9–10). When the evaluator is the
+    model itself its long pass is reused. ``official=True`` also tokenizes for the evaluated model
+    without special tokens, matches by raw containment and counts ``n_tokens`` as the official
+    package does. The result's settings are the key tokens' settings, this call's ``official`` and
+    the model's name.
     """
     if evaluator is not None and evaluator is not model and evaluator_tokenizer is None:
         raise ValueError("an evaluator model needs its evaluator_tokenizer")
@@ -447,54 +343,90 @@ def longppl(
         )
     elif key_tokens.text != text:
         raise ValueError("key_tokens were computed for a different text")
-    ids, offsets = encode(tokenizer, text, add_special_tokens=not official)
+    ids, offsets = alignment.encode(tokenizer, text, add_special_tokens=not official)
     same_tokens = torch.equal(ids, key_tokens.input_ids)
-    logprobs = key_tokens.lcl if reuse and same_tokens else long_logprobs(model, ids).target.cpu()
+    lcl = key_tokens.lcl if reuse and same_tokens else logprobs.long_logprobs(model, ids).target.cpu()
     if same_tokens:
         key, weights = key_tokens.key.numpy(), key_tokens.soft.numpy()
     else:
         hard_values = torch.where(key_tokens.lsd.isnan(), float("nan"), key_tokens.key.double()).numpy()
         transfer = dict(text=text, source_offsets=key_tokens.offsets, target_offsets=offsets)
         key = (
-            transfer_to_tokens(source_values=hard_values, reduce="all", skip_spaces=not official, **transfer)
+            alignment.transfer_to_tokens(
+                source_values=hard_values, reduce="all", skip_spaces=not official, **transfer
+            )
             == 1
         )
-        weights = transfer_to_tokens(source_values=key_tokens.soft.numpy(), reduce="mean", **transfer)
-    nll = -logprobs.double().numpy()
-    key &= ~np.isnan(nll)  # a key token at position 0 has no prediction
-    soft = ~np.isnan(weights) & ~np.isnan(nll)
-    predicted = ~np.isnan(nll)
-    return LongPPLResult(
-        longppl=float(np.exp(nll[key].mean())) if key.any() else float("nan"),
-        longppl_soft=float(np.exp((weights[soft] * nll[soft]).sum() / weights[soft].sum()))
-        if soft.any()
-        else float("nan"),
-        ppl=float(np.exp(nll[predicted].mean())),
-        n_key_tokens=int(key.sum()),
-        n_tokens=len(ids) if official else int(predicted.sum()),
+        soft_values = key_tokens.soft.numpy()
+        weights = alignment.transfer_to_tokens(source_values=soft_values, reduce="mean", **transfer)
+    return LongPPLResult.from_tokens(
+        nll=-lcl.double().numpy(),
+        key=key,
+        weights=weights,
+        n_tokens=len(ids) if official else None,
         key_spans=key_tokens.spans,
+        settings=key_tokens.settings | {"official": official, "model": _model_name(model)},
     )
 
 
-# --------------------------------------------------------------------------- LongCE
+def pool_longppl(results: Sequence[LongPPLResult]) -> LongPPLResult:
+    """Corpus-level LongPPL, LongPPL-soft and PPL of several documents, pooled per token.
 
-
-def longce_weights(lsd: torch.Tensor, gamma: float = 5.0) -> torch.Tensor:
-    """LongCE token weights (eq. 7), detached: min(exp(LSD), γ), and 1 where LSD is NaN (no short score)."""
-    return torch.nan_to_num(soft_influence(lsd.detach(), gamma), nan=1.0)
-
-
-def longce_loss(
-    model, input_ids: torch.Tensor | Sequence[int], K: int = 4096, d: int = 1024, gamma: float = 5.0
-) -> torch.Tensor:
-    """LongCE (eq. 6): −1/(n−1) Σ_t w_t log P(x_t | x_<t), w = :func:`longce_weights` of the model's own LSD.
-
-    The model scores itself (its short passes without gradients); the mean runs over all n−1
-    predicted tokens and is not normalized by Σw, as in the paper. Gradients flow through the long
-    pass only; its LM head is checkpointed per chunk.
+    Sums and counts add up over the documents, so LongPPL = exp(Σ_docs Σ_key nll / Σ_docs n_key)
+    (the official corpus aggregation, ``perplexity.py`` after commit a7082c3), LongPPL-soft =
+    exp(Σ w·nll / Σ w) and PPL = exp(Σ nll / Σ n_predicted) over all tokens of all documents: the
+    scores of their concatenation, each token scored in its own document. (The official package
+    weights log PPL by its ``n_tokens``, which counts each document's unpredicted first token.)
+    The results must share their settings; the pooled one has ``settings["documents"]`` (pooled
+    results count their documents) and no key spans.
     """
-    ids = check_input_ids(model, input_ids)
-    hidden = final_hidden_states(model, ids)[0, :-1]
-    logprobs = target_logprobs(model, hidden, ids[0, 1:]).target
-    short = short_logprobs(model, ids, K, d).target[1:]
-    return -(longce_weights(logprobs - short, gamma) * logprobs).mean()
+    if not results:
+        raise ValueError("pool_longppl needs at least one result")
+
+    def shared(result: LongPPLResult) -> dict[str, Any]:
+        return {k: v for k, v in result.settings.items() if k != "documents"}
+
+    settings = shared(results[0])
+    differ = sorted({k for r in results for k, _ in shared(r).items() ^ settings.items()})
+    if differ:
+        raise ValueError(f"results with different settings cannot be pooled; they differ in {differ}")
+    counts = ("n_predicted", "n_key_tokens", "n_tokens")
+    sums = ("nll_sum", "key_nll_sum", "soft_nll_sum", "soft_weight_sum")
+    return LongPPLResult(
+        **{name: sum(getattr(r, name) for r in results) for name in counts + sums},
+        key_spans=[],
+        settings=settings | {"documents": sum(r.settings.get("documents", 1) for r in results)},
+    )
+
+
+# --------------------------------------------------------------------------- moved names
+
+_MOVED = {
+    **dict.fromkeys(
+        (
+            "BATCH_TOKENS",
+            "HEAD_CHUNK_ELEMENTS",
+            "LogProbs",
+            "final_hidden_states",
+            "long_logprobs",
+            "short_context_blocks",
+            "short_logprobs",
+            "target_logprobs",
+        ),
+        "probe.logprobs",
+    ),
+    **dict.fromkeys(("character_runs", "decoded_offsets", "encode", "transfer_to_tokens"), "probe.alignment"),
+    **dict.fromkeys(("longce_loss", "longce_weights"), "probe.objectives"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Names that moved out of this module keep working one release, with a ``DeprecationWarning``."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"probe.lsd.{name} moved to {_MOVED[name]}.{name}; the old path will be removed in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)

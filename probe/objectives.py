@@ -1,9 +1,9 @@
 """Training objectives of the seeds: LongCE (000), CDT (002) and LOGO (003).
 
 - **LongCE** (seed 000, eqs. 6–7): cross-entropy with token weights min(exp(LSD), γ), where the
-  model scores its own long-short difference online. :func:`probe.lsd.longce_loss` (re-exported
-  here) weights every token of a sequence; :func:`longce_target_loss` weights only the target
-  tokens (e.g. an answer), the setting of our fine-tuning experiment.
+  model scores its own long-short difference online (:mod:`probe.lsd`, :mod:`probe.logprobs`).
+  :func:`longce_loss` weights every token of a sequence; :func:`longce_target_loss` weights only
+  the target tokens (e.g. an answer), the setting of our fine-tuning experiment.
 - **CDT** (seed 002, §4): critical tokens are those whose embedding-gradient norm reaches the mean
   (eq. 1); the other (noise) tokens are moved against their loss gradient, E' = E − lr·β·∇E
   (eq. 2), and the model is trained with cross-entropy on E' (eq. 3). :func:`cdt_loss` does all
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from probe.attribution import embedding_grads
 from probe.capture import check_input_ids, check_positions, hf_model, target_loss
-from probe.lsd import final_hidden_states, longce_loss, longce_weights, short_logprobs, target_logprobs
+from probe.logprobs import final_hidden_states, short_logprobs, target_logprobs
+from probe.lsd import soft_influence
 
 __all__ = [
     "CDTLoss",
@@ -41,6 +42,29 @@ __all__ = [
 # --------------------------------------------------------------------------- LongCE (seed 000)
 
 
+def longce_weights(lsd: torch.Tensor, gamma: float = 5.0) -> torch.Tensor:
+    """LongCE token weights (eq. 7), detached Tensor[seq] from LSD Tensor[seq]: min(exp(LSD), γ)
+    (:func:`probe.lsd.soft_influence`), and 1 where LSD is NaN (no short-context score)."""
+    return torch.nan_to_num(soft_influence(lsd.detach(), gamma), nan=1.0)
+
+
+def longce_loss(
+    model, input_ids: torch.Tensor | Sequence[int], K: int = 4096, d: int = 1024, gamma: float = 5.0
+) -> torch.Tensor:
+    """LongCE (eq. 6): −1/(n−1) Σ_t w_t log P(x_t | x_<t), w = :func:`longce_weights` of the model's own LSD.
+
+    ``input_ids`` is [n] or [1, n]; returns a scalar. The model scores itself (its short passes,
+    :func:`probe.logprobs.short_logprobs`, without gradients); the mean runs over all n−1 predicted
+    tokens and is not normalized by Σw, as in the paper. Gradients flow through the long pass only;
+    its LM head is checkpointed per chunk.
+    """
+    ids = check_input_ids(model, input_ids)
+    hidden = final_hidden_states(model, ids)[0, :-1]
+    logprobs = target_logprobs(model, hidden, ids[0, 1:]).target
+    short = short_logprobs(model, ids, K, d).target[1:]
+    return -(longce_weights(logprobs - short, gamma) * logprobs).mean()
+
+
 def longce_target_loss(
     model,
     input_ids: torch.Tensor | Sequence[int],
@@ -54,7 +78,7 @@ def longce_target_loss(
     ``input_ids`` is [seq] or [1, seq], ``target_positions`` the T positions scored (each ≥ 1).
     w_t = :func:`longce_weights` (min(exp(LSD_t), γ), detached) of the model's own LSD, with the
     short context of the last K tokens (``d`` = 1: exactly K per target; see
-    :func:`probe.lsd.short_context_blocks`). Targets at t ≤ K have no short context and weight 1:
+    :func:`probe.logprobs.short_context_blocks`). Targets at t ≤ K have no short context and weight 1:
     if every target is that close to the start, this is plain cross-entropy of the targets.
     Returns a scalar with gradients to the parameters through log P (the short passes run
     without gradients).
@@ -66,7 +90,7 @@ def longce_target_loss(
     lsd = torch.full_like(logprobs, float("nan"))  # t ≤ K: no short context, weight 1
     far = targets > K
     if far.any():  # no short pass at all when every target is within K of the start
-        short = short_logprobs(model, ids, K, d, positions=targets[far]).target
+        short = short_logprobs(model, ids, K, d, target_positions=targets[far]).target
         lsd[far] = logprobs[far] - short[targets[far]]
     return -(longce_weights(lsd, gamma) * logprobs).mean()
 

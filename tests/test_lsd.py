@@ -1,73 +1,23 @@
-"""probe.lsd against slow, obvious references: truncated forward passes, full logits, sets of characters."""
+"""probe.lsd against slow, obvious references: truncated forward passes, full logits, sums by hand."""
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
+from test_logprobs import SEQ, full_logprobs, random_ids, truncated_logprob
 from transformers import AutoTokenizer
 
 import probe
-from probe import lsd
+from probe import alignment, logprobs, lsd
 from probe.models import converted_folder
-
-SEQ = 48
-
-
-def full_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    """Textbook log-softmax over the model's full logits: Tensor[seq, vocab] for the rows of ``ids``."""
-    with torch.no_grad():
-        return torch.log_softmax(model(ids[None]).logits[0].float(), dim=-1)
-
-
-def truncated_logprob(model, ids: torch.Tensor, start: int, t: int) -> float:
-    """log P(x_t | x[start:t]) from a separate forward pass over the truncated context."""
-    return full_logprobs(model, ids[start:t])[-1, ids[t]].item()
+from probe.objectives import longce_loss, longce_weights
 
 
 @pytest.fixture
 def ids():
-    return torch.randint(0, 128, (SEQ,), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_chunked_head_matches_model_logits(arch, ids, monkeypatch):
-    model = probe.tiny_model(arch, **({"final_logit_softcapping": 2.0} if arch == "gemma3" else {}))
-    monkeypatch.setattr(lsd, "HEAD_CHUNK_ELEMENTS", 128 * 9)  # 9 rows per chunk: several chunks
-    reference = full_logprobs(model, ids)[:-1]
-    scores = lsd.long_logprobs(model, ids)
-    torch.testing.assert_close(scores.target[1:], reference.gather(1, ids[1:, None])[:, 0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(scores.top[1:], reference.max(-1).values, atol=1e-5, rtol=0)
-    assert scores.target[0].isnan()
-    some = lsd.long_logprobs(model, ids, positions=[5, 40])
-    assert some.target.isnan().sum() == SEQ - 2
-    torch.testing.assert_close(some.target[[5, 40]], scores.target[[5, 40]], atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize(("K", "d", "official"), [(10, 7, False), (10, 7, True), (5, 64, True)])
-def test_sliding_window_equals_truncated_forwards(tiny, ids, K, d, official):
-    # batch_tokens forces several batches and a shorter last window in its own pass
-    scores = lsd.short_logprobs(tiny, ids, K, d, official=official, batch_tokens=2 * (K + d))
-    first = K if official else K + 1
-    assert scores.target[:first].isnan().all() and not scores.target[first:].isnan().any()
-    for t in range(first, SEQ):
-        start = (t - first) // d * d + (first - K)  # eq. 8: the block's shared window start
-        assert t - start >= K and t - start < K + d
-        assert scores.target[t].item() == pytest.approx(truncated_logprob(tiny, ids, start, t), abs=1e-5)
-
-
-def test_exact_mode_equals_per_token_truncation(tiny, ids):
-    K = 12
-    scores = lsd.short_logprobs(tiny, ids, K, d=1, batch_tokens=64)
-    for t in range(K + 1, SEQ):
-        assert scores.target[t].item() == pytest.approx(truncated_logprob(tiny, ids, t - K, t), abs=1e-5)
-
-
-def test_positions_without_a_short_context_score_nan(tiny, ids):
-    scores = lsd.short_logprobs(tiny, ids, K=12, d=4, positions=[3, 12])  # both t <= K
-    assert scores.target.isnan().all() and scores.top.isnan().all()
-    some = lsd.short_logprobs(tiny, ids, K=12, d=4, positions=[3, 20])
-    assert some.target.isfinite().sum() >= 1 and some.target[3].isnan()
+    return random_ids()
 
 
 def test_official_first_block_sees_its_whole_prefix(tiny, ids):
@@ -84,7 +34,7 @@ def test_no_token_with_a_short_context_is_a_clear_error(tiny, ids):
     with pytest.raises(ValueError, match="longer than the model's context"):
         lsd.lsd_scores(tiny, torch.zeros(tiny.config.max_position_embeddings + 1, dtype=torch.long), K=8)
     with pytest.raises(ValueError, match="must be positive"):
-        lsd.short_context_blocks(50, K=8, d=0)
+        logprobs.short_context_blocks(50, K=8, d=0)
 
 
 def test_key_tokens_are_strict_and_skip_unscored():
@@ -94,14 +44,14 @@ def test_key_tokens_are_strict_and_skip_unscored():
 
 
 def test_longce_weights_are_clipped_at_gamma():
-    weights = lsd.longce_weights(torch.tensor([float("nan"), -1.0, 0.0, math.log(3.0), 10.0]), gamma=5.0)
+    weights = longce_weights(torch.tensor([float("nan"), -1.0, 0.0, math.log(3.0), 10.0]), gamma=5.0)
     torch.testing.assert_close(weights, torch.tensor([1.0, math.exp(-1.0), 1.0, 3.0, 5.0]))
 
 
 def test_longce_loss_and_gradients(tiny, ids):
     K, d, gamma = 8, 16, 1.05
     tiny.train()
-    loss = lsd.longce_loss(tiny, ids, K, d, gamma)
+    loss = longce_loss(tiny, ids, K, d, gamma)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in tiny.named_parameters()}
     assert all(g.isfinite().all() for g in grads.values()) and any(g.abs().sum() > 0 for g in grads.values())
@@ -119,74 +69,6 @@ def test_longce_loss_and_gradients(tiny, ids):
     assert loss.item() == pytest.approx(reference.item(), abs=1e-5)
     for name, p in tiny.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4)
-
-
-# --------------------------------------------------------------------------- alignment by characters
-
-TEXT = "The key is 12345 ok"
-#       0123456789012345678
-WORDS = np.array([[0, 3], [3, 7], [7, 10], [10, 16], [16, 19]])  # "The", " key", " is", " 12345", " ok"
-TRIMMED = np.array([[0, 3], [4, 7], [8, 10], [11, 14], [14, 16], [17, 19]])  # no spaces; "123", "45"
-CHARS = np.array([[i, i + 1] for i in range(len(TEXT))])
-
-
-def keys(source_offsets, source_values, target_offsets, skip_spaces=True):
-    values = lsd.transfer_to_tokens(
-        TEXT, source_offsets, np.asarray(source_values, float), target_offsets, "all", skip_spaces
-    )
-    return [TEXT[a:b] for (a, b), v in zip(target_offsets, values, strict=True) if v == 1]
-
-
-def test_finer_evaluated_tokens_each_become_key():
-    assert keys(WORDS, [0, 0, 0, 1, 0], CHARS) == [" ", "1", "2", "3", "4", "5"]
-
-
-def test_coarser_evaluated_token_is_key_only_if_wholly_covered():
-    assert keys(TRIMMED, [0, 0, 0, 1, 0, 0], WORDS) == []  # " 12345" is only partly key ("123")
-    assert keys(TRIMMED, [0, 0, 0, 1, 1, 0], WORDS) == [" 12345"]  # the uncovered space is ignored
-    assert keys(TRIMMED, [0, 0, 0, 1, 1, 0], WORDS, skip_spaces=False) == []  # official: raw containment
-    assert keys(WORDS, [0, 0, 0, 1, 0], TRIMMED) == ["123", "45"]
-    assert keys(WORDS, [np.nan, 1, 1, 1, 1], WORDS) == [" key", " is", " 12345", " ok"]
-
-
-def test_soft_weights_are_string_level_averages():
-    weights = lsd.transfer_to_tokens(TEXT, TRIMMED, np.array([1, 1, 1, 3, 1, np.nan]), WORDS, "mean")
-    np.testing.assert_allclose(weights, [1, 1, 1, (3 * 3 + 1 * 2) / 5, np.nan])
-
-
-def test_character_runs_merge_touching_spans():
-    assert lsd.character_runs(TRIMMED, [1, 0, 0, 1, 1, 0]) == [(0, 3), (11, 16)]
-
-
-class NoOffsets:
-    """A tokenizer without offset mapping (like tiktoken-based ones): raises when asked for offsets."""
-
-    def __init__(self, tokenizer, lowercase=False):
-        self.tokenizer, self.lowercase = tokenizer, lowercase
-
-    def __call__(self, text, return_offsets_mapping=False, **kwargs):
-        if return_offsets_mapping:
-            raise NotImplementedError("no offsets")
-        return self.tokenizer(text, **kwargs)
-
-    def decode(self, ids, **kwargs):
-        text = self.tokenizer.decode(ids, **kwargs)
-        return text.lower() if self.lowercase else text
-
-
-@pytest.mark.real
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
-def test_offsets_fallback_rebuilds_the_text(name):
-    tokenizer = AutoTokenizer.from_pretrained(converted_folder(name))
-    text = " ".join(probe.tasks.noise.sentences()[:40]) + " Ünïcödé ✓ 12345\n\n  end"
-    ids, offsets = lsd.encode(tokenizer, text)
-    fallback_ids, fallback = lsd.encode(NoOffsets(tokenizer), text)
-    assert torch.equal(ids, fallback_ids)
-    assert "".join(text[a:b] for a, b in fallback) == text
-    differ = (offsets != fallback).any(axis=1)  # only where byte tokens split a character
-    assert differ.sum() <= 3 and all(not text[a:b].isascii() for a, b in offsets[differ])
-    with pytest.raises(ValueError, match="cannot be mapped to characters"):
-        lsd.encode(NoOffsets(tokenizer, lowercase=True), text)
 
 
 # --------------------------------------------------------------------------- LongPPL
@@ -226,9 +108,9 @@ def test_longppl_across_tokenizers(smol_tokenizer):
     # naive reference: key characters as a set; a SmolLM2 token is key if its non-space characters are in it
     key_chars = {c for a, b in result.key_spans for c in range(a, b)}
     encoding = smol_tokenizer(ESSAY, return_offsets_mapping=True)
-    logprobs = full_logprobs(model, torch.tensor(encoding.input_ids))
+    reference = full_logprobs(model, torch.tensor(encoding.input_ids))
     nll = [
-        -logprobs[t - 1, encoding.input_ids[t]].item()
+        -reference[t - 1, encoding.input_ids[t]].item()
         for t, (a, b) in enumerate(encoding.offset_mapping)
         if t > 0 and (chars := [c for c in range(a, b) if not ESSAY[c].isspace()]) and set(chars) <= key_chars
     ]
@@ -238,25 +120,112 @@ def test_longppl_across_tokenizers(smol_tokenizer):
     assert probe.longppl(ESSAY, model, smol_tokenizer, key_tokens=offline) == result
 
 
+class CharTokenizer:
+    """A tokenizer over the tiny vocabulary: one character per token, with offsets."""
+
+    def __call__(self, text, return_offsets_mapping=False, add_special_tokens=True):
+        out = {"input_ids": [ord(c) % 128 for c in text]}
+        offsets = {"offset_mapping": [(i, i + 1) for i in range(len(text))]}
+        return out | (offsets if return_offsets_mapping else {})
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(i) for i in ids]
+
+
 def test_token_lsd_frame(tiny):
-    class Tokenizer:  # a tokenizer over the tiny vocabulary: one character per token
-        def __call__(self, text, return_offsets_mapping=False, add_special_tokens=True):
-            out = {"input_ids": [ord(c) % 128 for c in text]}
-            return out | (
-                {"offset_mapping": [(i, i + 1) for i in range(len(text))]} if return_offsets_mapping else {}
-            )
-
-        def convert_ids_to_tokens(self, ids):
-            return [chr(i) for i in ids]
-
     text = "abcdefghij" * 5
-    frame = probe.token_lsd(tiny, Tokenizer(), text, K=16, d=8)
+    frame = probe.token_lsd(tiny, CharTokenizer(), text, K=16, d=8)
     assert list(frame.columns) == [
         "position", "token_id", "token", "char_start", "char_end",
         "long_logprob", "short_logprob", "lsd", "lcl", "greedy",
     ]  # fmt: skip
     assert "".join(frame.token) == text and frame.lsd.isna().sum() == 17 and frame.lcl.isna().sum() == 1
     np.testing.assert_allclose(frame.lsd, frame.long_logprob - frame.short_logprob)
+
+
+def test_key_tokens_frame_and_round_trip(tiny, tmp_path):
+    text = "abcdefghij" * 5
+    keys = lsd.find_key_tokens(text, tiny, CharTokenizer(), K=16, d=8, alpha=0.0, beta=-100.0)
+    assert keys.settings == dict(K=16, d=8, alpha=0.0, beta=-100.0, gamma=5.0, official=False, evaluator=None)
+    frame = keys.to_frame()
+    columns = ["position", "token_id", "char_start", "char_end", "lsd", "lcl", "key", "soft"]
+    assert list(frame.columns) == columns
+    assert len(frame) == len(text) and frame.key.sum() == keys.key.sum() > 0 and frame.attrs == keys.settings
+    keys.save(tmp_path / "keys.json")
+    loaded = lsd.KeyTokens.load(tmp_path / "keys.json")
+    assert loaded.text == text and loaded.settings == keys.settings and loaded.spans == keys.spans
+    np.testing.assert_array_equal(loaded.offsets, keys.offsets)
+    for name in ("input_ids", "lsd", "lcl", "key", "soft"):
+        torch.testing.assert_close(getattr(loaded, name), getattr(keys, name), equal_nan=True, rtol=0, atol=0)
+    result = lsd.longppl(text, tiny, CharTokenizer(), key_tokens=loaded)
+    assert result == lsd.longppl(text, tiny, CharTokenizer(), key_tokens=keys)
+    assert result.settings == keys.settings | {"model": None}
+
+
+def hand_result(nll, key, weights, **settings) -> lsd.LongPPLResult:
+    arrays = np.array(nll), np.array(key, dtype=bool), np.array(weights)
+    return lsd.LongPPLResult.from_tokens(*arrays, settings=settings)
+
+
+# two documents' per-token values: nll (NaN: the first token, not predicted), key, I_soft (NaN: none)
+NAN = float("nan")
+DOC_A = dict(nll=[NAN, 1.0, 2.0, 3.0], key=[True, True, False, True], weights=[NAN, NAN, 2.0, 5.0])
+DOC_B = dict(nll=[NAN, 0.5, 4.0], key=[False, False, True], weights=[NAN, 1.0, 0.5])
+
+
+def test_longppl_result_from_tokens_by_hand():
+    a = hand_result(**DOC_A)
+    assert (a.n_predicted, a.n_key_tokens, a.n_tokens) == (3, 2, 3)  # key at t = 0 dropped
+    assert a.longppl == pytest.approx(math.exp((1.0 + 3.0) / 2))
+    assert a.longppl_soft == pytest.approx(math.exp((2.0 * 2.0 + 5.0 * 3.0) / (2.0 + 5.0)))
+    assert a.ppl == pytest.approx(math.exp((1.0 + 2.0 + 3.0) / 3))
+    none = hand_result(nll=[NAN, 1.0], key=[False, False], weights=[NAN, NAN])
+    assert math.isnan(none.longppl) and math.isnan(none.longppl_soft) and none.ppl == pytest.approx(math.e)
+
+
+def test_pool_longppl_is_the_per_token_score_of_all_documents():
+    pooled = lsd.pool_longppl([hand_result(**DOC_A, K=8), hand_result(**DOC_B, K=8)])
+    # brute force: every token of both documents in one list
+    nll, key, weights = ([*DOC_A[name][1:], *DOC_B[name][1:]] for name in ("nll", "key", "weights"))
+    key_nll = [n for n, k in zip(nll, key, strict=True) if k]
+    soft = [(w, n) for w, n in zip(weights, nll, strict=True) if not math.isnan(w)]
+    assert pooled.longppl == pytest.approx(math.exp(sum(key_nll) / len(key_nll)))
+    soft_nll = sum(w * n for w, n in soft) / sum(w for w, _ in soft)
+    assert pooled.longppl_soft == pytest.approx(math.exp(soft_nll))
+    assert pooled.ppl == pytest.approx(math.exp(sum(nll) / len(nll)))
+    assert (pooled.n_key_tokens, pooled.n_tokens, pooled.key_spans) == (3, 5, [])
+    assert pooled.settings == dict(K=8, documents=2)
+    assert lsd.pool_longppl([pooled, hand_result(**DOC_A, K=8)]).settings["documents"] == 3
+    single = lsd.pool_longppl([hand_result(**DOC_A)])
+    assert (single.longppl, single.longppl_soft, single.ppl) == (
+        hand_result(**DOC_A).longppl, hand_result(**DOC_A).longppl_soft, hand_result(**DOC_A).ppl,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"differ in \['K'\]"):
+        lsd.pool_longppl([hand_result(**DOC_A, K=8), hand_result(**DOC_B, K=16)])
+    with pytest.raises(ValueError, match="at least one"):
+        lsd.pool_longppl([])
+
+
+def test_longppl_result_frame_and_round_trip(tmp_path):
+    result = hand_result(**DOC_A, K=8, evaluator="gemma3-270m")
+    result = dataclasses.replace(result, key_spans=[(0, 3), (7, 9)])
+    frame = result.to_frame()
+    assert len(frame) == 1 and (frame.longppl[0], frame.ppl[0]) == (result.longppl, result.ppl)
+    assert frame.n_key_spans[0] == 2 and frame.evaluator[0] == "gemma3-270m" and frame.K[0] == 8
+    result.save(tmp_path / "result.json")
+    assert lsd.LongPPLResult.load(tmp_path / "result.json") == result
+
+
+def test_moved_names_still_import_from_lsd_and_warn():
+    moved = [("long_logprobs", logprobs), ("HEAD_CHUNK_ELEMENTS", logprobs), ("encode", alignment)]
+    for name, module in moved:
+        with pytest.warns(DeprecationWarning, match=f"probe.lsd.{name} moved to {module.__name__}.{name}"):
+            assert getattr(lsd, name) is getattr(module, name)
+    with pytest.warns(DeprecationWarning, match="moved to probe.objectives"):
+        from probe.lsd import longce_weights as old
+    assert old is longce_weights
+    with pytest.raises(AttributeError):
+        lsd.no_such_name  # noqa: B018
 
 
 # --------------------------------------------------------------------------- attention windows
