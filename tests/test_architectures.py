@@ -78,9 +78,10 @@ def build(name: str) -> transformers.PreTrainedModel:
     config._attn_implementation = "eager" if config_class in EAGER_BY_DEFAULT else "sdpa"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    sharpened = ("q_proj.weight", "k_proj.weight", "c_attn.weight", "query_key_value.weight")
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if param_name.endswith(("q_proj.weight", "k_proj.weight", "c_attn.weight", "query_key_value.weight")):
+            if param_name.endswith(sharpened):
                 param.mul_(4.0)
     return model
 

@@ -105,7 +105,8 @@ def test_one_key_mask_per_sequence_of_a_batch(tiny):
     with torch.no_grad(), probe.mask_keys(tiny, hidden):
         batched = tiny(input_ids=ids, use_cache=False).logits
     for row in range(2):
-        _, expected = masked_eager_forward(tiny, ids[row : row + 1], hidden=hidden[row].nonzero().flatten().tolist())
+        positions = hidden[row].nonzero().flatten().tolist()
+        _, expected = masked_eager_forward(tiny, ids[row : row + 1], hidden=positions)
         assert (batched[row] - expected[0]).abs().max() <= ATOL
 
 
