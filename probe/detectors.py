@@ -30,6 +30,7 @@ import torch
 from probe.attribution import attention_rows, embedding_grad_norms
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import check_layers, frozen_parameters, hf_model
+from probe.faithfulness import answer_scores, lds, random_masks
 from probe.objectives import critical_tokens
 from probe.results import read_json, write_json
 from probe.tasks import Sample
@@ -331,3 +332,82 @@ def lexical_overlap(model, tokenizer, sample: Sample) -> Detection:
         question[start:end] = True
     scores[question] = 0.0  # the question trivially overlaps itself
     return Detection(scores=scores, flagged=scores > 0, settings={"stopwords": len(_STOPWORDS)})
+
+
+# --- ablation detectors: one score per source, from key-masked passes (probe.faithfulness) -------
+
+
+def spread_over_tokens(values: torch.Tensor, sample: Sample) -> torch.Tensor:
+    """Tensor[seq]: each token of a source gets its source's value (``values`` [sources]); others 0."""
+    scores = torch.zeros(len(sample.input_ids))
+    for source, value in zip(sample.sources, values.tolist(), strict=True):
+        scores[source.start : source.end] = value
+    return scores
+
+
+@register("leave_one_out")
+def leave_one_out(model, tokenizer, sample: Sample, reuse_prefix: bool = True) -> Detection:
+    """Exact leave-one-out: a source's score is ``lp(full) − lp(without it)``, the drop of the gold
+    answer's log-probability when its tokens are key-masked (one pass per source).
+
+    The gold standard of comprehensiveness at k = 1. ``details["source_scores"]`` is Tensor[sources];
+    each token carries its source's score. Flags the sources whose removal lowers the log-probability.
+    """
+    n_sources = len(sample.sources)
+    removed = torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), torch.eye(n_sources, dtype=torch.bool)])
+    logprob = answer_scores(model, sample, removed, reuse_prefix).logprob
+    effect = logprob[0] - logprob[1:]
+    scores = spread_over_tokens(effect, sample)
+    return Detection(
+        scores=scores,
+        flagged=scores > 0,
+        settings={"reuse_prefix": reuse_prefix},
+        details={"source_scores": effect, "full_logprob": float(logprob[0])},
+    )
+
+
+@register("context_cite")
+def context_cite(
+    model,
+    tokenizer,
+    sample: Sample,
+    n_masks: int = 64,
+    keep: float = 0.5,
+    alpha: float = 0.01,
+    holdout: float = 0.25,
+    seed: int = 1,
+) -> Detection:
+    """ContextCite's surrogate (Cohen-Wang et al. 2024): key-mask random subsets of the sources (each
+    kept with probability ``keep``), fit a sparse linear model (scikit-learn LASSO, ``alpha``, on
+    standardized masks) from the kept-source indicators to the gold answer's log-probability; a
+    source's score is its weight in log-probability per source kept.
+
+    The target is the log-probability (ContextCite uses the logit-probability log p − log(1 − p)).
+    A ``holdout`` share of the masks is left out of the fit: ``details["heldout_spearman"]`` and
+    ``details["heldout_r2"]`` say how well the surrogate predicts them (read them before trusting
+    the weights). ``seed`` must differ from the seed of the masks a faithfulness evaluation uses.
+    Flags the sources with positive weight.
+    """
+    from sklearn.linear_model import Lasso
+    from sklearn.metrics import r2_score
+    from sklearn.preprocessing import StandardScaler
+
+    n_sources = len(sample.sources)
+    kept = random_masks(n_sources, n_masks, keep, seed)
+    logprob = answer_scores(model, sample, ~kept).logprob
+    n_fit = n_masks - max(1, round(holdout * n_masks))
+    scaler = StandardScaler().fit(kept[:n_fit].double().numpy())
+    lasso = Lasso(alpha=alpha).fit(scaler.transform(kept[:n_fit].double().numpy()), logprob[:n_fit].numpy())
+    weights = torch.tensor(lasso.coef_ / np.where(scaler.scale_ > 0, scaler.scale_, 1.0), dtype=torch.float32)
+    predicted = lasso.predict(scaler.transform(kept[n_fit:].double().numpy()))
+    scores = spread_over_tokens(weights, sample)
+    return Detection(
+        scores=scores,
+        flagged=scores > 0,
+        settings={"n_masks": n_masks, "keep": keep, "alpha": alpha, "holdout": holdout, "seed": seed},
+        details={
+            "source_scores": weights,
+            "heldout_spearman": lds(weights, kept[n_fit:], logprob[n_fit:]),
+            "heldout_r2": float(r2_score(logprob[n_fit:].numpy(), predicted)),
+        },
+    )

@@ -1,0 +1,128 @@
+"""Causal faithfulness: key-masked answer log-probabilities against explicit-mask eager passes,
+prefix-cache reuse against uncached passes, the ablation detectors against hand computations,
+LDS on a planted additive model, and a hand-built model whose answer depends on one needle."""
+
+import pytest
+import torch
+from reference import masked_eager_forward
+from test_retrieval import copying_model
+from transformers import AutoTokenizer
+
+import probe
+from probe import faithfulness, tasks
+from probe.retrieval import needle_answer_positions
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(probe.models.converted_folder("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def sample(tokenizer):
+    return tasks.make("multihop-2", tokenizer, 300, seed=1)
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def model(request, tokenizer):
+    return probe.tiny_model(request.param, vocab_size=len(tokenizer), max_position_embeddings=1024)
+
+
+def eager_answer_logprob(model, sample, hidden) -> float:
+    """Σ log P(gold answer token) from an eager forward with the hidden keys masked by hand."""
+    _, logits = masked_eager_forward(model, sample.input_ids[None], hidden=set(hidden))
+    targets = sample.target_positions
+    logprobs = logits[0, targets - 1].log_softmax(-1)
+    return float(logprobs.gather(-1, sample.input_ids[targets, None]).sum().detach())
+
+
+def test_answer_scores_match_eager_with_explicit_masks_and_reuse_is_exact(model, sample):
+    n_sources = len(sample.sources)
+    removed = faithfulness.random_masks(n_sources, 5, seed=3)
+    removed[0] = False  # the full context
+    reused = faithfulness.answer_scores(model, sample, removed, reuse_prefix=True)
+    uncached = faithfulness.answer_scores(model, sample, removed, reuse_prefix=False)
+    assert (reused.logprob - uncached.logprob).abs().max() <= ATOL
+    assert torch.equal(reused.correct, uncached.correct)
+    for mask, got in zip(removed, reused.logprob, strict=True):
+        hidden = faithfulness.removed_positions(sample.sources, mask).tolist()
+        assert abs(eager_answer_logprob(model, sample, hidden) - float(got)) <= ATOL
+    assert len(reused.logprob.unique()) == len(removed)  # the masks change the answer's log-prob
+
+
+def test_leave_one_out_equals_hand_computed_differences(model, sample):
+    detection = probe.detect("leave_one_out", model, None, sample)
+    full = eager_answer_logprob(model, sample, [])
+    for source, score in zip(sample.sources[:6], detection.details["source_scores"], strict=False):
+        without = eager_answer_logprob(model, sample, range(source.start, source.end))
+        assert abs((full - without) - float(score)) <= ATOL
+        assert (detection.scores[source.start : source.end] == score).all()
+    assert detection.name == "leave_one_out"
+
+
+def test_leave_one_out_finds_the_needle_a_hand_built_model_copies(tokenizer):
+    sample = tasks.make("niah", tokenizer, 160, seed=0, depth=0.4)
+    (needle,) = needle_answer_positions(sample)
+    digits = sample.target_positions[-len(needle) :]  # the teacher-forced answer is " " + the digits
+    assert torch.equal(sample.input_ids[digits], sample.input_ids[needle])
+    model = copying_model(len(tokenizer), offset=int(digits[0]) - 1 - int(needle[0]))  # rows copy the needle
+    detection = probe.detect("leave_one_out", model, tokenizer, sample)
+    ranked = torch.argsort(detection.details["source_scores"], descending=True)
+    top = sample.sources[int(ranked[0])]
+    assert top.category == "supporting" and top.start <= needle[0] < top.end
+    cite = probe.detect("context_cite", model, tokenizer, sample, n_masks=48)
+    assert sample.sources[int(cite.details["source_scores"].argmax())] == top
+
+
+def test_lds_is_one_for_a_planted_additive_model_and_near_zero_for_noise():
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(40, generator=generator)
+    kept = faithfulness.random_masks(40, 2000, seed=1)
+    actual = kept.double() @ weights.double() + 3.0
+    assert faithfulness.lds(weights, kept, actual) == pytest.approx(1.0)
+    assert abs(faithfulness.lds(torch.randn(40, generator=generator), kept, actual)) < 0.1
+    assert faithfulness.lds(torch.zeros(40), kept, actual) != faithfulness.lds(torch.zeros(40), kept, actual)  # NaN
+
+
+def test_source_scores_by_hand(sample):
+    token_scores = torch.arange(len(sample.input_ids), dtype=torch.float32)
+    first = sample.sources[0]
+    span = token_scores[first.start : first.end]
+    assert faithfulness.source_scores(token_scores, sample.sources, "sum")[0] == span.sum()
+    assert faithfulness.source_scores(token_scores, sample.sources, "mean")[0] == span.mean()
+    assert faithfulness.source_scores(token_scores, sample.sources, "max")[0] == span.max()
+    with pytest.raises(ValueError, match="reduce"):
+        faithfulness.source_scores(token_scores, sample.sources, "median")
+    with pytest.raises(ValueError, match="no sources"):
+        faithfulness.source_scores(token_scores, [])
+
+
+def test_top_k_masks_break_ties_by_position():
+    masks = faithfulness.top_k_masks(torch.tensor([0.0, 2.0, 1.0, 2.0]), ks=(1, 2, 8))
+    assert masks.tolist() == [
+        [False, True, False, False],
+        [False, True, False, True],
+        [True, True, True, True],
+    ]
+
+
+def test_evaluate_reports_the_drops_of_its_own_masks(model, sample):
+    truth = faithfulness.ground_truth_scores(sample)
+    frame = faithfulness.evaluate(model, sample, {"truth": truth}, ks=(1, 2), n_masks=6)
+    (row,) = frame.to_dict("records")
+    masks = faithfulness.top_k_masks(truth, (1, 2))
+    scores = faithfulness.answer_scores(model, sample, torch.cat([torch.zeros_like(masks[:1]), masks, ~masks]))
+    full, removed, kept = scores.logprob[0], scores.logprob[1:3], scores.logprob[3:]
+    assert row["full_logprob"] == pytest.approx(float(full), abs=ATOL)
+    assert row["comprehensiveness_k2"] == pytest.approx(float(full - removed[1]), abs=ATOL)
+    assert row["sufficiency_k1"] == pytest.approx(float(full - kept[0]), abs=ATOL)
+    assert row["aopc_comprehensiveness"] == pytest.approx(float((full - removed).mean()), abs=ATOL)
+
+
+def test_bad_masks_are_refused(model, sample):
+    with pytest.raises(ValueError, match="sources"):
+        faithfulness.answer_scores(model, sample, torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="one value per source"):
+        faithfulness.evaluate(model, sample, {"bad": torch.zeros(3)})
