@@ -68,14 +68,15 @@ def removed_positions(sources: Sequence[Source], removed: torch.Tensor) -> torch
 
 @torch.no_grad()
 def answer_scores(
-    model, sample: Sample, removed: torch.Tensor, reuse_prefix: bool = True
+    model, sample: Sample, removed: torch.Tensor, reuse_prefix: bool = True, batch_size: int = 1
 ) -> AnswerScores:
     """The gold answer's log-probability with the sources flagged in ``removed`` key-masked.
 
     ``removed``: BoolTensor[masks, sources] (True = removed), over ``sample.sources``. With
-    ``reuse_prefix`` the unmasked prefix is run once, in order of each mask's first removed token,
+    ``reuse_prefix`` the unmasked prefix is run once, in order of each pass's first removed token,
     and each masked pass starts from a copy of its KV cache; otherwise every pass runs the whole
-    sequence.
+    sequence. ``batch_size`` masks run in one forward (one key mask per sequence), starting at the
+    earliest first removed token among them: faster on a GPU; on a CPU batch 1 is as fast.
     """
     sources = sample.sources
     removed = torch.as_tensor(removed, dtype=torch.bool)
@@ -84,33 +85,40 @@ def answer_scores(
             f"removed must be a BoolTensor[masks, {len(sources)}] over the sample's sources, "
             f"got shape {tuple(removed.shape)}"
         )
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     inner = hf_model(model)
     ids = check_input_ids(inner, sample.input_ids)
     targets = sample.target_positions.to(ids.device)
-    rows = targets - 1
-    starts = [
-        min([int(rows[0])] + [s.start for s, gone in zip(sources, mask.tolist(), strict=True) if gone])
-        for mask in removed
-    ]
+    rows, gold = targets - 1, ids[0, targets]
+    hidden = torch.zeros(len(removed), ids.shape[1], dtype=torch.bool)
+    for index, mask in enumerate(removed):
+        hidden[index, removed_positions(sources, mask)] = True
+    starts = [int(h.nonzero()[0]) if h.any() else int(rows[0]) for h in hidden]
+    starts = [min(start, int(rows[0])) if reuse_prefix else 0 for start in starts]
+    order = sorted(range(len(removed)), key=starts.__getitem__)
     logprob = torch.empty(len(removed))
     correct = torch.empty(len(removed), dtype=torch.bool)
     cache, done = None, 0
-    for index in sorted(range(len(removed)), key=starts.__getitem__):
-        first = starts[index] if reuse_prefix else 0
-        if first > done:  # extend the unmasked prefix cache up to this mask's first removed token
+    for batch in (order[i : i + batch_size] for i in range(0, len(order), batch_size)):
+        first = starts[batch[0]]
+        if first > done:  # extend the unmasked prefix cache up to this batch's first removed token
             cache = inner(input_ids=ids[:, done:first], past_key_values=cache, use_cache=True).past_key_values
             done = first
-        with mask_keys(inner, removed_positions(sources, removed[index])):
+        past = None
+        if first:
+            past = copy.deepcopy(cache)
+            past.batch_repeat_interleave(len(batch))
+        with mask_keys(inner, hidden[batch]):
             logits = inner(
-                input_ids=ids[:, first:],
-                past_key_values=copy.deepcopy(cache) if first else None,
+                input_ids=ids[:, first:].expand(len(batch), -1),
+                past_key_values=past,
                 use_cache=first > 0,
                 logits_to_keep=rows - first,
-            ).logits[0].float()
-        gold = ids[0, targets]
-        logprobs = logits.log_softmax(-1)
-        logprob[index] = logprobs.gather(-1, gold[:, None]).sum()
-        correct[index] = bool((logits.argmax(-1) == gold).all())
+            ).logits.float()  # [batch, answer, vocab]
+        logprobs = logits.log_softmax(-1).gather(-1, gold.expand(len(batch), -1)[..., None])[..., 0]
+        logprob[batch] = logprobs.sum(-1).cpu()
+        correct[batch] = (logits.argmax(-1) == gold).all(-1).cpu()
     return AnswerScores(logprob, correct)
 
 
@@ -155,6 +163,7 @@ def evaluate(
     keep: float = 0.5,
     seed: int = 0,
     reuse_prefix: bool = True,
+    batch_size: int = 1,
 ) -> pd.DataFrame:
     """Faithfulness of several source scorings of one sample, one row per scorer.
 
@@ -177,7 +186,7 @@ def evaluate(
         masks[f"{name}/removed"] = top
         masks[f"{name}/kept"] = ~top
     unique, where = torch.cat(list(masks.values())).unique(dim=0, return_inverse=True)
-    results = answer_scores(model, sample, unique, reuse_prefix)
+    results = answer_scores(model, sample, unique, reuse_prefix, batch_size)
     bounds = np.cumsum([0] + [len(m) for m in masks.values()])
     lookup = {
         key: AnswerScores(results.logprob[where[a:b]], results.correct[where[a:b]])
@@ -199,5 +208,7 @@ def evaluate(
         row["n_sources"] = n_sources
         rows.append(row)
     frame = pd.DataFrame(rows)
-    frame.attrs = dict(ks=list(ks), n_masks=n_masks, keep=keep, seed=seed, reuse_prefix=reuse_prefix)
+    frame.attrs = dict(
+        ks=list(ks), n_masks=n_masks, keep=keep, seed=seed, reuse_prefix=reuse_prefix, batch_size=batch_size
+    )
     return frame
