@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (
@@ -39,6 +40,7 @@ from transformers.masking_utils import (
     sdpa_mask,
     sliding_window_overlay,
 )
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 IMPLEMENTATION = "longprobe"
 HOOK_NAMES = {
@@ -111,8 +113,14 @@ class _Capture:
         logits: Logits,
         output: torch.Tensor,
     ) -> torch.Tensor:
-        """Capture this layer's rows; ``output`` [batch, q, heads, dim], its rows replaced by A·V if grad."""
-        self.layers_seen.add(layer)
+        """Capture this layer's rows; ``output`` [batch, q, heads, dim], its rows replaced by A·V if grad.
+
+        When a checkpointed layer is recomputed in the backward pass, the same tensors are computed
+        again (autograd needs them) but nothing is recorded a second time.
+        """
+        recomputing = _RECOMPUTING.get()
+        if not recomputing:
+            self.layers_seen.add(layer)
         q_len = query.shape[2]
         rows = torch.arange(q_len, device=query.device) if self.rows is None else self.rows.to(query.device)
         if int(rows.max()) >= q_len:
@@ -123,9 +131,12 @@ class _Capture:
         if grad:
             if not pattern.requires_grad:  # nothing upstream needs gradients: A itself is the leaf
                 pattern.requires_grad_(True)
-            name = HOOK_NAMES["pattern_grad"].format(layer=layer)
-            pattern.register_hook(lambda g: self.cache.__setitem__(name, g))
+            if not recomputing:
+                name = HOOK_NAMES["pattern_grad"].format(layer=layer)
+                pattern.register_hook(lambda g: self.cache.__setitem__(name, g))
             output = output.index_copy(1, rows, apply_pattern(pattern, value).to(output.dtype))
+        if recomputing:
+            return output
         if self.on_pattern is not None:
             self.on_pattern(layer, pattern.detach())
         else:
@@ -183,6 +194,20 @@ _ACTIVE: contextvars.ContextVar[_Modifiers | None] = contextvars.ContextVar("lon
 
 def _active() -> _Modifiers:
     return _ACTIVE.get() or _NONE
+
+
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("longprobe_recomputing", default=False)
+
+
+@contextmanager
+def _recomputing(modifiers: _Modifiers | None) -> Iterator[None]:
+    """The context of a checkpointed layer's recomputation: the modifiers of its forward, flagged."""
+    token, flag = _ACTIVE.set(modifiers), _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(flag)
+        _ACTIVE.reset(token)
 
 
 class UnsupportedModelError(TypeError):
@@ -597,6 +622,57 @@ def mask_keys(model, positions: Sequence[int] | torch.Tensor) -> Iterator[None]:
     with _modified(inner, key_masks=modifier):
         yield
     _check_mask_built(inner, modifier)
+
+
+@contextmanager
+def checkpointed(model, enabled: bool = True) -> Iterator[None]:
+    """Recompute every decoder layer in the backward pass instead of keeping its activations.
+
+    Inside the block each decoder layer (every transformers ``GradientCheckpointingLayer``) runs
+    under ``torch.utils.checkpoint`` (non-reentrant) whenever gradients are on, also in eval mode:
+    activation memory is the layer inputs plus one layer's working set, O(seq·hidden·layers),
+    instead of every layer's intermediates. The recomputation runs with the modifiers that were
+    active in the forward pass (traces, masks, windows, ablations) and records nothing twice, so
+    captured rows and their gradients equal the plain pass. Forward passes must not write a KV
+    cache (``use_cache=False``). ``enabled=False``: a no-op. The layers are restored on exit.
+    """
+    if not enabled:
+        yield
+        return
+    inner = hf_model(model)
+    layers = [module for module in inner.modules() if isinstance(module, GradientCheckpointingLayer)]
+    if not layers:
+        raise UnsupportedModelError(
+            f"{type(inner).__name__} has no transformers GradientCheckpointingLayer to checkpoint; "
+            "run the probe with checkpoint=False"
+        )
+    for layer in layers:
+        layer.forward = _checkpointing(layer.forward)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)
+
+
+def _checkpointing(forward: Callable) -> Callable:
+    """``forward`` run under non-reentrant checkpointing when gradients are on."""
+
+    def checkpointed_forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError("checkpointing cannot write a KV cache; call the model with use_cache=False")
+        modifiers = _ACTIVE.get()
+        return checkpoint(
+            forward,
+            *args,
+            use_reentrant=False,
+            context_fn=lambda: (nullcontext(), _recomputing(modifiers)),
+            **kwargs,
+        )
+
+    return checkpointed_forward
 
 
 def _check_mask_built(inner: PreTrainedModel, modifier: _Window | _KeyMask) -> None:

@@ -200,3 +200,49 @@ def test_real_smollm2_matches_eager_at_256_tokens(smollm2):
     double = copy.deepcopy(model).double()
     expected_grad = embedding_grad_reference(double, ids, targets)
     assert (probe.embedding_grad_norms(double, ids, targets) - expected_grad).abs().max() <= 1e-10
+
+
+# --- activation checkpointing -----------------------------------------------------------------
+
+
+def test_checkpointed_layers_recompute_and_record_once(tiny, monkeypatch):
+    ids = random_ids(tiny)
+    targets = torch.tensor([5, 17, SEQ - 1])
+    layers = tiny.config.num_hidden_layers
+    plain_flow = probe.information_flow(tiny, ids, targets)
+    plain_grads = probe.embedding_grads(tiny, ids, targets)
+    calls = []
+    original = probe.capture._pattern_blocks
+    counted = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(probe.capture, "_pattern_blocks", counted)
+    with probe.capture.checkpointed(tiny):
+        flow = probe.information_flow(tiny, ids, targets)
+        with probe.trace(tiny, rows=targets - 1, grad=True) as cache:
+            embeds = tiny.get_input_embeddings()(ids).detach().requires_grad_(True)
+            probe.target_loss(tiny, ids, targets, inputs_embeds=embeds).backward()
+    assert len(calls) == 2 * 2 * layers  # each layer's rows computed in the forward and again in the backward
+    assert (flow - plain_flow).abs().max() <= 1e-6
+    assert (embeds.grad[0] - plain_grads).abs().max() <= 1e-6
+    assert len(cache) == 2 * layers  # pattern and pattern_grad once per layer
+    assert not any("forward" in vars(module) for module in tiny.modules())  # layers restored
+    tiny.zero_grad(set_to_none=True)
+
+
+def test_checkpointed_recomputation_keeps_the_modifiers(tiny):
+    ids = random_ids(tiny)
+    targets = torch.tensor([11, SEQ - 1])
+    with probe.mask_keys(tiny, [2, 5, 9]), probe.attention_window(tiny, 8):
+        plain = probe.information_flow(tiny, ids, targets)
+        with probe.capture.checkpointed(tiny):
+            checkpointed = probe.information_flow(tiny, ids, targets)
+    assert (checkpointed - plain).abs().max() <= 1e-6
+
+
+def test_checkpointed_refuses_a_kv_cache_and_models_without_layers(tiny, monkeypatch):
+    with probe.capture.checkpointed(tiny), pytest.raises(ValueError, match="use_cache=False"):
+        tiny(input_ids=random_ids(tiny), use_cache=True)
+    assert not any("forward" in vars(module) for module in tiny.modules())
+    monkeypatch.setattr(probe.capture, "GradientCheckpointingLayer", type("Other", (torch.nn.Module,), {}))
+    with pytest.raises(UnsupportedModelError, match="GradientCheckpointingLayer"):
+        with probe.capture.checkpointed(tiny):
+            pass
