@@ -321,6 +321,9 @@ def pattern_rows(
 ) -> torch.Tensor:
     """A[rows] = softmax(cap(q_rows·Kᵀ·scale) + mask [, sink]): Tensor[batch, heads, rows, kv].
 
+    Computed in at least fp32: for a bf16 / fp16 model the pattern is recomputed from the half
+    precision q and k in fp32 and returned in fp32.
+
     ``query`` is [batch, heads, q, dim], ``key`` [batch, kv_heads, kv, dim]; query head h reads
     KV head h // (heads / kv_heads), as transformers' ``repeat_kv`` does, without copying K.
     ``cap(s) = softcap·tanh(s / softcap)`` when ``softcap`` is set (Gemma 2); ``sinks`` Tensor[heads]
@@ -328,15 +331,16 @@ def pattern_rows(
     """
     batch, heads, _, dim = query.shape
     kv_heads, kv_len = key.shape[1], key.shape[2]
-    grouped = query[:, :, rows].reshape(batch, kv_heads, heads // kv_heads * len(rows), dim)
-    scores = (grouped @ key.transpose(-1, -2)).view(batch, heads, len(rows), kv_len) * scaling
+    dtype = torch.promote_types(query.dtype, torch.float32)  # bf16 / fp16 q and k are upcast first
+    grouped = query[:, :, rows].to(dtype).reshape(batch, kv_heads, heads // kv_heads * len(rows), dim)
+    scores = (grouped @ key.to(dtype).transpose(-1, -2)).view(batch, heads, len(rows), kv_len) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = (scores + mask).float()
+    scores = scores + mask.to(dtype)
     if sinks is None:
-        return torch.softmax(scores, dim=-1).to(query.dtype)
-    sink = sinks.float().reshape(1, heads, 1, 1).expand(batch, heads, len(rows), 1)
-    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(query.dtype)
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(dtype).reshape(1, heads, 1, 1).expand(batch, heads, len(rows), 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def apply_pattern(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -348,7 +352,7 @@ def apply_pattern(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     batch, heads, n_rows, kv_len = pattern.shape
     kv_heads = value.shape[1]
     grouped = pattern.reshape(batch, kv_heads, heads // kv_heads * n_rows, kv_len)
-    return (grouped @ value).view(batch, heads, n_rows, -1).transpose(1, 2)
+    return (grouped @ value.to(pattern.dtype)).view(batch, heads, n_rows, -1).transpose(1, 2)
 
 
 def _pattern_blocks(
@@ -396,7 +400,8 @@ def _attention(
         if dropout > 0:
             raise ValueError("attention dropout is active: call model.eval() before probing attention")
         rows = torch.arange(query.shape[2], device=query.device)
-        output = apply_pattern(_pattern_blocks(query, key, rows, attention_mask, logits, 256), value)
+        pattern = _pattern_blocks(query, key, rows, attention_mask, logits, 256)
+        output = apply_pattern(pattern, value).to(value.dtype)
 
     layer = getattr(module, "layer_idx", None)
     active = _active()

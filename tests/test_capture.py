@@ -246,3 +246,24 @@ def test_checkpointed_refuses_a_kv_cache_and_models_without_layers(tiny, monkeyp
     with pytest.raises(UnsupportedModelError, match="GradientCheckpointingLayer"):
         with probe.capture.checkpointed(tiny):
             pass
+
+
+# --- reduced precision -------------------------------------------------------------------------
+
+
+def test_bf16_rows_are_recomputed_in_fp32_and_stay_close_to_fp64(tiny):
+    """In a bf16 model the q/k themselves carry bf16 rounding; the captured rows, recomputed from
+    them in fp32, are as close to the fp64 model as eager bf16 attention is (here ≤ 2e-2 absolute),
+    and information flow stays within 5% of fp64 (relative to its largest value)."""
+    ids = random_ids(tiny)
+    rows, targets = [3, 11, SEQ - 1], torch.tensor([12, SEQ - 1])
+    double, half = copy.deepcopy(tiny).double(), copy.deepcopy(tiny).to(torch.bfloat16)
+    reference = torch.stack([a[0][:, rows] for a in eager_forward(double, ids)[0]])
+    eager_half = torch.stack([a[0][:, rows] for a in eager_forward(half, ids)[0]]).double()
+    got = probe.attention_rows(half, ids, rows)
+    assert got.dtype == torch.float32
+    error = (got.double() - reference).abs().max()
+    assert error <= 2e-2 and error <= (eager_half - reference).abs().max() * 1.05
+    flow = probe.information_flow(half, ids, targets).double()
+    expected = probe.information_flow(double, ids, targets)
+    assert (flow - expected).abs().max() <= 5e-2 * expected.abs().max()
