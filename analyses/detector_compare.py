@@ -1,19 +1,44 @@
 """Which context tokens does the model really use, and which detector finds them? (the main job)
 
 For each sample the model first answers greedily (scored against the gold answer); then, with
-the gold answer teacher-forced, every chosen detector from the registry scores every token,
-and :func:`probe.metrics.evaluate` compares the scores with the sample's exact spans. Writes,
-with the CSV behind each figure (``{tag}`` = model and length):
+the gold answer teacher-forced, every chosen detector from the registry scores every token
+(:func:`probe.detectors.detect_many`: the attention family from one shared forward+backward pass).
+Each detector is judged two ways on the same samples:
+
+- plausibility, :func:`probe.metrics.evaluate`: its token scores against the sample's exact spans;
+- faithfulness, :func:`probe.faithfulness.evaluate`: its scores per source (fact, emoji, essay
+  sentence; ``--source-reduce`` over a source's tokens, or the ablation detectors' own source
+  scores) ranked, the top-k sources removed / kept by key masking, and the gold answer's
+  log-probability watched (comprehensiveness, sufficiency, AOPC over k = 1, 2, 4, 8; LDS over
+  ``--masks`` random masks), beside two references: ``ground_truth`` (the supporting facts) and
+  ``random_sources`` (seeded uniform source scores).
+
+Writes, with the CSV behind each figure (``{tag}`` = model and length):
 
 - ``detector_{tag}_categories``: share of each detector's top-k tokens per category (CDT Fig. 7);
 - ``detector_{tag}_layers``: per layer, how much more attention / information flow from the
   answer rows each category's tokens get than the average context token, correct vs wrong
   answers (CDT Fig. 3);
 - ``detector_{tag}_scores``: AUROC, precision, recall and fact hit rate per detector;
-- ``detector_{tag}_metrics.csv``: every metric per detector and sample.
+- ``detector_{tag}_metrics.csv``: every plausibility metric per detector and sample;
+- ``detector_{tag}_faithfulness``: deletion curves (log-prob drop of the gold answer vs the number
+  of top sources removed) per detector, references dashed, correct vs wrong answers; the CSV has
+  every faithfulness metric per sample and scorer;
+- ``detector_{tag}_ranks.{csv,md}``: each detector's plausibility rank (mean AUROC) beside its
+  faithfulness ranks (mean AOPC of comprehensiveness, mean LDS), correct / wrong / all answers.
+
+Faithfulness costs one masked forward pass per distinct mask: up to 8 per scorer (top-k removed /
+kept) plus the random masks, about 110 passes a sample with the quick set (~3.5 minutes at 1K
+tokens on a 2-core CPU). So the quick default runs ONE sample per task (two samples: too few to
+conclude from, enough to check the pipeline and see the curves) to finish within ten minutes;
+raise ``--samples`` for numbers to draw conclusions from. The ablation detectors
+(``leave_one_out``, ``context_cite``) and ``integrated_gradients`` cost tens of passes a sample and
+are left out of the quick set; add them with ``--detectors``.
 
     python -m analyses.detector_compare                               # quick default, SmolLM2, ~1K tokens
-    python -m analyses.detector_compare --model gemma3-270m --length 2048
+    python -m analyses.detector_compare --samples 8                   # 16 samples, about an hour here
+    python -m analyses.detector_compare --samples 4 --detectors attention information_flow leave_one_out
+    python -m analyses.detector_compare --model gemma3-270m --length 4096 --samples 12
 """
 
 from __future__ import annotations
@@ -22,6 +47,7 @@ import argparse
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import seaborn as sns
 import torch
@@ -29,10 +55,13 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
-from probe import detectors, metrics, tasks
+from probe import detectors, faithfulness, metrics, tasks
 from probe.generation import answer
 
-QUICK_DETECTORS = [name for name in detectors.names() if name != "integrated_gradients"]
+SLOW_DETECTORS = ("integrated_gradients", "leave_one_out", "context_cite")
+QUICK_DETECTORS = [name for name in detectors.names() if name not in SLOW_DETECTORS]
+SAMPLES_QUICK = 1  # per task: faithfulness costs ~110 masked passes a sample (see above)
+REFERENCES = ("ground_truth", "random_sources")
 LAYER_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
 SCORE_COLUMNS = {
     "auroc": "AUROC (supporting)",
@@ -42,6 +71,8 @@ SCORE_COLUMNS = {
     "recall_critical": "recall (sup.+interf.)",
     "fact_hit_rate": "fact hit rate (top-k)",
 }
+RANKED = {"auroc": "plausibility", "aopc_comprehensiveness": "comprehensiveness", "lds": "LDS"}
+ANSWERS = ("correct", "wrong", "all")
 
 
 def layer_enrichment(per_layer: torch.Tensor, sample: tasks.Sample) -> pd.DataFrame:
@@ -63,6 +94,27 @@ def layer_enrichment(per_layer: torch.Tensor, sample: tasks.Sample) -> pd.DataFr
     )
 
 
+def source_scorers(
+    found: dict[str, detectors.Detection], sample: tasks.Sample, reduce: str = "mean"
+) -> dict[str, torch.Tensor]:
+    """Scorer name → Tensor[sources]: every detection's source scores, then the two references.
+
+    A detection's own ``details["source_scores"]`` (the ablation detectors) is used as it is; other
+    token scores become source scores by ``reduce`` (:func:`probe.faithfulness.source_scores`).
+    ``ground_truth`` scores the supporting facts 1; ``random_sources`` is uniform, seeded by the sample.
+    """
+    scores = {
+        name: detection.details["source_scores"].float()
+        if "source_scores" in detection.details
+        else faithfulness.source_scores(detection.scores, sample.sources, reduce)
+        for name, detection in found.items()
+    }
+    scores["ground_truth"] = faithfulness.ground_truth_scores(sample)
+    random = np.random.default_rng(sample.seed).random(len(sample.sources))  # not torch's stream of the masks
+    scores["random_sources"] = torch.tensor(random, dtype=torch.float32)
+    return scores
+
+
 def compare_sample(
     model,
     tokenizer,
@@ -71,8 +123,14 @@ def compare_sample(
     top_k: int,
     max_new_tokens: int,
     options: dict[str, dict] | None = None,
-):
-    """(metric rows, per-layer rows) of every detector in ``names`` (with ``options[name]``) on one sample."""
+    source_reduce: str = "mean",
+    n_masks: int = 32,
+    seed: int = 0,
+) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
+    """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on one sample.
+
+    ``options[name]`` go to detector ``name``; faithfulness as :func:`judge_faithfulness`.
+    """
     generated = answer(model, tokenizer, sample, max_new_tokens)
     about = {
         "task": sample.task,
@@ -80,9 +138,9 @@ def compare_sample(
         "generated": generated,
         "correct": bool(sample.score(generated)),
     }
+    found = detectors.detect_many(names, model, tokenizer, sample, options)
     rows, layers = [], []
-    for name in names:
-        detection = probe.detect(name, model, tokenizer, sample, **(options or {}).get(name, {}))
+    for name, detection in found.items():
         rows.append(
             {
                 "detector": name,
@@ -95,11 +153,32 @@ def compare_sample(
             layers.append(
                 layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
             )
-    return rows, layers
+    faithful = judge_faithfulness(model, sample, found, source_reduce, n_masks, seed)
+    return rows, layers, faithful.assign(**about)
+
+
+def judge_faithfulness(
+    model,
+    sample: tasks.Sample,
+    found: dict[str, detectors.Detection],
+    source_reduce: str = "mean",
+    n_masks: int = 32,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
+    ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``)."""
+    scorers = source_scorers(found, sample, source_reduce)
+    faithful = faithfulness.evaluate(model, sample, scorers, ks=faithfulness.KS, n_masks=n_masks, seed=seed)
+    faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
+    return faithful.assign(source_reduce=source_reduce, n_masks=n_masks)
 
 
 def _diagnostics(detection: detectors.Detection) -> dict:
     return {key: value for key, value in detection.details.items() if isinstance(value, float)}
+
+
+def _answer_label(correct: pd.Series) -> pd.Series:
+    return correct.map({True: "correct", False: "wrong"})
 
 
 def plot_categories(table: pd.DataFrame):
@@ -119,7 +198,7 @@ def plot_categories(table: pd.DataFrame):
 
 
 def plot_layers(layers: pd.DataFrame):
-    data = layers.assign(answer=layers.correct.map({True: "correct", False: "wrong"}))
+    data = layers.assign(answer=_answer_label(layers.correct))
     grid = sns.relplot(
         data=data[data.category != "other"],
         x="layer",
@@ -151,6 +230,105 @@ def plot_scores(table: pd.DataFrame):
     return fig, summary.reset_index()
 
 
+def deletion_curves(faithful: pd.DataFrame) -> pd.DataFrame:
+    """Long form of the comprehensiveness columns: one row per sample, scorer and k (``drop`` in nats)."""
+    ks = [int(c.removeprefix("comprehensiveness_k")) for c in faithful if c.startswith("comprehensiveness_k")]
+    curves = faithful.melt(
+        id_vars=["task", "seed", "scorer", "kind", "correct"],
+        value_vars=[f"comprehensiveness_k{k}" for k in ks],
+        var_name="k",
+        value_name="drop",
+    )
+    curves["k"] = curves.k.str.removeprefix("comprehensiveness_k").astype(int)
+    return curves.assign(answer=_answer_label(curves.correct))
+
+
+def plot_deletion(faithful: pd.DataFrame) -> plt.Figure:
+    """Mean log-prob drop of the gold answer vs k sources removed, one line per scorer (references
+    dashed), one panel per answer group (correct / wrong, with its number of samples)."""
+    curves = deletion_curves(faithful)
+    counts = _answer_label(faithful.drop_duplicates(["task", "seed"]).correct).value_counts()
+    curves["answer"] = [f"answered {a} (n = {counts[a]})" for a in curves.answer]
+    names = list(dict.fromkeys(faithful.scorer[faithful.kind == "detector"]))
+    colors = sns.color_palette("tab10" if len(names) <= 10 else "tab20", len(names))
+    palette = dict(zip(names, colors, strict=True)) | {"ground_truth": "black", "random_sources": "grey"}
+    grid = sns.relplot(
+        data=curves,
+        x="k",
+        y="drop",
+        hue="scorer",
+        hue_order=[*names, *REFERENCES],
+        palette=palette,
+        style="kind",
+        style_order=["detector", "reference"],
+        dashes={"detector": "", "reference": (4, 2)},
+        markers={"detector": "o", "reference": "X"},
+        col="answer",
+        col_order=sorted(curves.answer.unique()),
+        kind="line",
+        errorbar=None,
+        height=3.6,
+        aspect=1.1,
+    )
+    ks = sorted(curves.k.unique())
+    grid.set(xscale="log", xticks=ks, xticklabels=[str(k) for k in ks])
+    for ax in grid.axes.flat:
+        ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.minorticks_off()
+    grid.set_axis_labels("top-k sources removed (key-masked)", "drop of the gold answer's log-prob (nats)")
+    grid.set_titles("{col_name}")
+    grid.figure.suptitle("Deletion curves: removing each scorer's top sources", y=1.03)
+    return grid.figure
+
+
+def _by_answer(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` once per answer group: correct, wrong, and all samples (column ``answer``)."""
+    labelled = frame.assign(answer=_answer_label(frame.correct))
+    return pd.concat([labelled, frame.assign(answer="all")], ignore_index=True)
+
+
+def rank_table(table: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
+    """Per answer group and detector: mean AUROC, AOPC of comprehensiveness and LDS, each with its
+    rank among the detectors (1 = best; NaN means rank last), and the number of samples."""
+    plausible = _by_answer(table).groupby(["answer", "detector"]).auroc.mean()
+    detectors_only = faithful[faithful.kind == "detector"].rename(columns={"scorer": "detector"})
+    grouped = _by_answer(detectors_only).groupby(["answer", "detector"])
+    causal = grouped[["comprehensiveness_k1", "aopc_comprehensiveness", "aopc_sufficiency", "lds"]].mean()
+    ranks = causal.join(plausible).join(grouped.seed.size().rename("samples")).reset_index()
+    for column, name in RANKED.items():
+        ranks[f"rank_{name}"] = (
+            ranks.groupby("answer")[column]
+            .rank(ascending=False, method="min", na_option="bottom")
+            .astype(int)
+        )
+    ranks["answer"] = pd.Categorical(ranks.answer, ANSWERS)
+    return ranks.sort_values(["answer", "rank_plausibility"]).reset_index(drop=True)
+
+
+def ranks_markdown(ranks: pd.DataFrame) -> str:
+    """The rank table as GitHub markdown, one table per answer group."""
+    header = (
+        "| detector | AUROC | rank | comp. k=1 (nats) | AOPC comp. (nats) | rank | LDS | rank |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    parts = []
+    for group, part in ranks.groupby("answer", observed=True):
+        lines = [
+            f"| `{r.detector}` | {r.auroc:.2f} | {r.rank_plausibility} | {r.comprehensiveness_k1:.2f} "
+            f"| {r.aopc_comprehensiveness:.2f} | {r.rank_comprehensiveness} | {r.lds:.2f} | {r.rank_LDS} |"
+            for r in part.itertuples()
+        ]
+        parts.append(f"### Answered {group} ({part.samples.max()} samples)\n\n{header}\n" + "\n".join(lines))
+    return "\n\n".join(parts) + "\n\nRank 1 = best (AUROC: plausibility; AOPC and LDS: faithfulness).\n"
+
+
+def faithfulness_summary(faithful: pd.DataFrame) -> pd.DataFrame:
+    """Mean comprehensiveness at k = 1, AOPC (comprehensiveness, sufficiency) and LDS per answer
+    group and scorer, references included."""
+    columns = ["comprehensiveness_k1", "aopc_comprehensiveness", "aopc_sufficiency", "lds"]
+    return _by_answer(faithful).groupby(["answer", "scorer"], sort=False)[columns].mean().reset_index()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,18 +336,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m", help="model name or local HF folder")
     parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"], choices=tasks.names())
     parser.add_argument("--length", type=int, default=1024, help="prompt length in tokens")
-    parser.add_argument("--samples", type=int, default=8, help="samples per task")
-    parser.add_argument("--detectors", nargs="+", default=QUICK_DETECTORS, choices=detectors.names())
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=SAMPLES_QUICK,
+        help=f"samples per task (default {SAMPLES_QUICK}, so that the quick default fits ten minutes on "
+        "2 CPU cores: faithfulness costs ~110 masked passes a sample; use 8 for stable numbers)",
+    )
+    parser.add_argument(
+        "--detectors",
+        nargs="+",
+        default=QUICK_DETECTORS,
+        choices=detectors.names(),
+        help=f"default: all but {', '.join(SLOW_DETECTORS)} (tens of passes a sample)",
+    )
     parser.add_argument("--top-k", type=int, default=30, help="k of the top-k sets (CDT uses 30)")
     parser.add_argument(
         "--lsd-k", type=int, default=None, help="short context K of lsd (default: length / 4)"
     )
+    parser.add_argument(
+        "--source-reduce",
+        default="mean",
+        choices=faithfulness.REDUCTIONS,
+        help="token scores -> one score per source (default mean: a sum favours long sentences)",
+    )
+    parser.add_argument("--masks", type=int, default=32, help="random source masks per sample for LDS")
     parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="first sample's seed; seed of the LDS masks")
     parser.add_argument("--out", type=Path, default=Path("figures"))
     args = parser.parse_args(argv)
     if args.samples < 1:
         parser.error("--samples must be at least 1")
+    if args.masks < 2:
+        parser.error("--masks must be at least 2 (LDS is a rank correlation over masks)")
     if args.length < 64:
         parser.error("--length must be at least 64 tokens")
     return args
@@ -186,18 +385,31 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     lsd_k = args.lsd_k or args.length // 4
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
+    options["context_cite"] = {"seed": args.seed + 1}  # its masks must differ from the LDS masks (seed)
     options |= {name: {"top_k": args.top_k} for name in args.detectors if "top_k" in detectors.options(name)}
-    rows, layers = [], []
+    rows, layers, faithful = [], [], []
     jobs = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     for task, seed in tqdm(jobs, desc=f"detector_compare {args.model}"):
         sample = tasks.make(task, tokenizer, args.length, seed=seed)
-        sample_rows, sample_layers = compare_sample(
-            model, tokenizer, sample, args.detectors, args.top_k, args.max_new_tokens, options
+        sample_rows, sample_layers, sample_faithful = compare_sample(
+            model,
+            tokenizer,
+            sample,
+            args.detectors,
+            args.top_k,
+            args.max_new_tokens,
+            options,
+            source_reduce=args.source_reduce,
+            n_masks=args.masks,
+            seed=args.seed,
         )
         rows += sample_rows
         layers += sample_layers
+        faithful.append(sample_faithful)
 
-    table = pd.DataFrame(rows).assign(model=args.model, length=args.length)
+    settings = {"model": args.model, "length": args.length}
+    table = pd.DataFrame(rows).assign(**settings)
+    faithful = pd.concat(faithful, ignore_index=True).assign(**settings)
     tag = f"{Path(args.model).name}-{args.length}"
     atomic_write(args.out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
     fig, shares = plot_categories(table)
@@ -207,8 +419,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if layers:
         layer_table = pd.concat(layers, ignore_index=True)
         save_figure(plot_layers(layer_table), layer_table, args.out, f"detector_{tag}_layers")
+    save_figure(plot_deletion(faithful), faithful, args.out, f"detector_{tag}_faithfulness")
+    ranks = rank_table(table, faithful)
+    atomic_write(args.out / f"detector_{tag}_ranks.csv", lambda tmp: ranks.to_csv(tmp, index=False))
+    atomic_write(args.out / f"detector_{tag}_ranks.md", lambda tmp: tmp.write_text(ranks_markdown(ranks)))
     accuracy = table.drop_duplicates(["task", "seed"]).groupby("task").correct.mean()
     print(f"accuracy by task:\n{accuracy.to_string()}\n\n{summary.round(3).to_string(index=False)}")
+    print(f"\nfaithfulness:\n{faithfulness_summary(faithful).round(3).to_string(index=False)}")
+    print(f"\n{ranks_markdown(ranks)}")
     return table
 
 

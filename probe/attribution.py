@@ -1,12 +1,15 @@
 """Attention rows, full attention matrices, information flow and embedding gradients.
 
 Every function here reads attention through :func:`probe.capture.trace`; none holds
-full-vocabulary logits or all layers' full attention matrices.
+full-vocabulary logits or all layers' full attention matrices. :func:`answer_attribution` gets
+the answer rows' attention, its gradient and the input-embedding gradient from one
+forward+backward pass, for every detector that needs any of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -82,6 +85,26 @@ def attention_matrices(
     return None if on_layer is not None else cache.stack("pattern", layers)
 
 
+FLOW_REDUCTIONS = ("sum_then_abs", "abs_then_sum")
+
+
+def _check_reduce(reduce: str) -> None:
+    if reduce not in FLOW_REDUCTIONS:
+        raise ValueError(f"reduce must be 'sum_then_abs' or 'abs_then_sum', got {reduce!r}")
+
+
+def flow_from_pattern(
+    pattern: torch.Tensor, pattern_grad: torch.Tensor, reduce: str = "sum_then_abs"
+) -> torch.Tensor:
+    """Information flow Tensor[layers, seq] from attention rows and their gradients, both
+    Tensor[layers, heads, rows, seq] (see :func:`information_flow` for ``reduce``)."""
+    _check_reduce(reduce)
+    saliency = pattern * pattern_grad
+    if reduce == "sum_then_abs":
+        return saliency.sum(dim=1).abs().sum(dim=1)
+    return saliency.abs().sum(dim=(1, 2))
+
+
 def information_flow(
     model,
     input_ids: torch.Tensor | Sequence[int],
@@ -99,8 +122,7 @@ def information_flow(
       as the reference code does)
     - ``"abs_then_sum"``: Σ_r Σ_h |A_h[r, i] · ∂L/∂A_h[r, i]|  (the formula as printed in the seed)
     """
-    if reduce not in ("sum_then_abs", "abs_then_sum"):
-        raise ValueError(f"reduce must be 'sum_then_abs' or 'abs_then_sum', got {reduce!r}")
+    _check_reduce(reduce)
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
     layers = check_layers(model, layers)
@@ -110,10 +132,7 @@ def information_flow(
         trace(model, rows=targets - 1, layers=layers, grad=True) as cache,
     ):
         target_loss(model, ids, targets).backward()
-    saliency = cache.stack("pattern", layers) * cache.stack("pattern_grad", layers)  # [L, H, R, S]
-    if reduce == "sum_then_abs":
-        return saliency.sum(dim=1).abs().sum(dim=1)
-    return saliency.abs().sum(dim=(1, 2))
+    return flow_from_pattern(cache.stack("pattern", layers), cache.stack("pattern_grad", layers), reduce)
 
 
 def embedding_grads(
@@ -143,3 +162,74 @@ def embedding_grad_norms(
 ) -> torch.Tensor:
     """‖∂L/∂e_i‖_p for each input embedding e_i: Tensor[seq] (CDT §4.1, the cheap IG proxy)."""
     return embedding_grads(model, input_ids, target_positions).norm(p=p, dim=-1)
+
+
+@dataclass(frozen=True)
+class AnswerAttribution:
+    """What one forward+backward pass for the answer loss yields (see :func:`answer_attribution`).
+
+    ``pattern`` and ``pattern_grad``: Tensor[layers, heads, rows, seq], the attention of the answer
+    rows (``rows`` = target positions − 1, LongTensor[rows]) over all keys and ∂L/∂A of those rows,
+    for ``layers`` in that order. ``embedding_grad``: Tensor[seq, hidden], ∂L/∂e_i. L is the mean
+    cross-entropy of the target tokens, as in :func:`information_flow` and :func:`embedding_grads`.
+    """
+
+    pattern: torch.Tensor
+    pattern_grad: torch.Tensor
+    embedding_grad: torch.Tensor
+    layers: tuple[int, ...]
+    rows: torch.Tensor
+
+    def select(self, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pattern, pattern_grad) of ``layers`` (non-negative indices among :attr:`layers`), in that order:
+        each Tensor[len(layers), heads, rows, seq]."""
+        missing = sorted(set(layers) - set(self.layers))
+        if missing:
+            raise ValueError(
+                f"layers {missing} were not captured; this attribution holds layers {list(self.layers)}"
+            )
+        index = torch.tensor([self.layers.index(layer) for layer in layers], dtype=torch.long)
+        return self.pattern[index], self.pattern_grad[index]
+
+    def information_flow(self, layers: Sequence[int], reduce: str = "sum_then_abs") -> torch.Tensor:
+        """:func:`information_flow` of ``layers`` from the captured tensors: Tensor[len(layers), seq]."""
+        return flow_from_pattern(*self.select(layers), reduce)
+
+    def embedding_grad_norms(self, p: float = 2) -> torch.Tensor:
+        """:func:`embedding_grad_norms` from the captured gradient: Tensor[seq]."""
+        return self.embedding_grad.norm(p=p, dim=-1)
+
+
+def answer_attribution(
+    model,
+    input_ids: torch.Tensor | Sequence[int],
+    target_positions: Sequence[int],
+    layers: Sequence[int] | None = None,
+) -> AnswerAttribution:
+    """Attention rows, their gradients and the input-embedding gradients from one pass.
+
+    One forward (under :func:`probe.capture.trace` with ``grad=True``, the embeddings of
+    ``input_ids`` fed as ``inputs_embeds`` that require grad) and one backward of the loss of
+    :func:`information_flow`, parameters frozen. Equal to :func:`attention_rows` of rows
+    ``target_positions − 1``, :func:`information_flow` and :func:`embedding_grads` computed
+    separately (three passes, two of them with a backward), for ``layers`` (``None`` = all).
+    """
+    ids = check_input_ids(model, input_ids)
+    targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
+    layers = check_layers(model, layers)
+    inner = hf_model(model)
+    rows = targets - 1
+    with (
+        frozen_parameters(inner),
+        torch.enable_grad(),
+        trace(model, rows=rows, layers=layers, grad=True) as cache,
+    ):
+        embeds = inner.get_input_embeddings()(ids).detach().requires_grad_(True)
+        target_loss(model, ids, targets, inputs_embeds=embeds).backward()
+    return AnswerAttribution(
+        pattern=cache.stack("pattern", layers),
+        pattern_grad=cache.stack("pattern_grad", layers),
+        embedding_grad=embeds.grad[0],
+        layers=tuple(layers),
+        rows=rows.cpu(),
+    )

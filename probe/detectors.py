@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probe.attribution import attention_rows, embedding_grad_norms
+from probe.attribution import AnswerAttribution, answer_attribution, attention_rows, embedding_grad_norms
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import check_layers, frozen_parameters, hf_model
 from probe.faithfulness import answer_scores, lds, random_masks
@@ -136,6 +136,54 @@ def detect(name: str, model, tokenizer, sample: Sample, **options) -> Detection:
     return _REGISTRY[name](model, tokenizer, sample, **options)
 
 
+SHARED_PASS = ("attention", "fr", "embedding_grad", "information_flow")
+
+
+def detect_many(
+    names: Sequence[str],
+    model,
+    tokenizer,
+    sample: Sample,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Detection]:
+    """Run every detector in ``names`` on ``sample``, ``options[name]`` going to detector ``name``.
+
+    Returns name → :class:`Detection`, in the order of ``names``: the same detections as
+    ``detect(name, model, tokenizer, sample, **options[name])`` one by one, but when ``names``
+    holds at least one of ``attention``, ``fr`` and ``information_flow``, the attention family
+    (:data:`SHARED_PASS`, ``embedding_grad`` included) is computed from one
+    :func:`probe.attribution.answer_attribution` forward+backward pass over the union of their
+    layers instead of one pass each. The other detectors run as usual.
+    """
+    options = dict(options or {})
+    unknown = [name for name in [*names, *options] if name not in _REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown detectors {unknown}; registered detectors: {', '.join(_REGISTRY)}")
+    shared = {name: _settings(name, model, options.get(name, {})) for name in names if name in SHARED_PASS}
+    layers = sorted({layer for settings in shared.values() for layer in settings.get("layers", ())})
+    attribution = (
+        answer_attribution(model, sample.input_ids, sample.target_positions, layers) if layers else None
+    )
+    found = {}
+    for name in names:
+        if attribution is not None and name in shared:
+            detection = _from_attribution(name, attribution, sample, shared[name])
+            found[name] = dataclasses.replace(detection, name=name)
+        else:
+            found[name] = detect(name, model, tokenizer, sample, **options.get(name, {}))
+    return found
+
+
+def _settings(name: str, model, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option of detector ``name`` (``options`` over its defaults; ``layers`` checked)."""
+    bound = inspect.signature(_REGISTRY[name]).bind(model, None, None, **options)
+    bound.apply_defaults()
+    settings = {key: bound.arguments[key] for key in list(bound.arguments)[3:]}
+    if "layers" in settings:
+        settings["layers"] = check_layers(model, settings["layers"])
+    return settings
+
+
 def top_k_mask(scores: torch.Tensor, k: int, context: int) -> torch.Tensor:
     """bool Tensor[seq]: the ``k`` highest scores among the first ``context`` tokens."""
     flagged = torch.zeros(len(scores), dtype=torch.bool)
@@ -153,8 +201,12 @@ def attention(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) ->
     Flags the ``top_k`` context tokens (CDT §6.1 uses top-30).
     """
     layers = check_layers(model, layers)
-    rows = sample.target_positions - 1
-    pattern = attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
+    pattern = attention_rows(model, sample.input_ids, sample.target_positions - 1, layers)
+    return _attention_from(pattern, sample, layers, top_k)
+
+
+def _attention_from(pattern: torch.Tensor, sample: Sample, layers: list[int], top_k: int) -> Detection:
+    """The ``attention`` detection from the answer rows' ``pattern`` Tensor[layers, heads, rows, seq]."""
     per_layer = pattern.sum(dim=1).mean(dim=1)
     scores = per_layer.mean(dim=0)
     return Detection(
@@ -177,8 +229,12 @@ def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 3
     Flags the ``top_k`` tokens with the highest score.
     """
     layers = check_layers(model, layers)
-    rows = sample.target_positions - 1
-    pattern = attention_rows(model, sample.input_ids, rows, layers)  # [L, H, R, S]
+    pattern = attention_rows(model, sample.input_ids, sample.target_positions - 1, layers)
+    return _fact_retrieval_from(pattern, sample, layers, top_k)
+
+
+def _fact_retrieval_from(pattern: torch.Tensor, sample: Sample, layers: list[int], top_k: int) -> Detection:
+    """The ``fr`` detection from the answer rows' ``pattern`` Tensor[layers, heads, rows, seq]."""
     context = sample.prompt_length
     chosen = pattern[..., :context].topk(min(top_k, context), dim=-1).indices
     attended = torch.zeros_like(pattern).scatter_(-1, chosen, 1.0)
@@ -196,6 +252,11 @@ def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 3
 def embedding_grad(model, tokenizer, sample: Sample, p: float = 2) -> Detection:
     """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean."""
     scores = embedding_grad_norms(model, sample.input_ids, sample.target_positions, p=p)
+    return _embedding_grad_from(scores, sample, p)
+
+
+def _embedding_grad_from(scores: torch.Tensor, sample: Sample, p: float) -> Detection:
+    """The ``embedding_grad`` detection from the gradient norms ``scores`` Tensor[seq]."""
     return Detection(scores=scores, flagged=critical_tokens(scores, sample.prompt_length), settings={"p": p})
 
 
@@ -209,6 +270,13 @@ def information_flow(
     """
     layers = check_layers(model, layers)
     per_layer = information_flow_per_layer(model, sample.input_ids, sample.target_positions, layers, reduce)
+    return _information_flow_from(per_layer, sample, layers, reduce, top_k)
+
+
+def _information_flow_from(
+    per_layer: torch.Tensor, sample: Sample, layers: list[int], reduce: str, top_k: int
+) -> Detection:
+    """The ``information_flow`` detection from its ``per_layer`` scores Tensor[layers, seq]."""
     scores = per_layer.sum(dim=0)
     return Detection(
         scores=scores,
@@ -216,6 +284,19 @@ def information_flow(
         settings={"layers": layers, "reduce": reduce, "top_k": top_k},
         details={"per_layer": per_layer},
     )
+
+
+def _from_attribution(
+    name: str, attribution: AnswerAttribution, sample: Sample, settings: dict[str, Any]
+) -> Detection:
+    """Detection ``name`` (one of :data:`SHARED_PASS`) from the shared pass; settings as :func:`_settings`."""
+    if name == "embedding_grad":
+        return _embedding_grad_from(attribution.embedding_grad_norms(settings["p"]), sample, **settings)
+    if name == "information_flow":
+        per_layer = attribution.information_flow(settings["layers"], settings["reduce"])
+        return _information_flow_from(per_layer, sample, **settings)
+    pattern, _ = attribution.select(settings["layers"])
+    return {"attention": _attention_from, "fr": _fact_retrieval_from}[name](pattern, sample, **settings)
 
 
 @register("integrated_gradients")

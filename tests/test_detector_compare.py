@@ -2,28 +2,99 @@
 
 import pandas as pd
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 from analyses import detector_compare
+from probe import detectors, faithfulness, tasks
+
+KS = faithfulness.KS
 
 
-def test_detector_compare_writes_every_figure_and_csv(tiny_model_folder, tmp_path):
-    argv = ["--model", str(tiny_model_folder), "--length", "192", "--samples", "1", "--out", str(tmp_path)]
-    table = detector_compare.main(argv)
-    tag = f"{tiny_model_folder.name}-192"
-    for name in ("categories", "scores", "layers"):
-        assert (tmp_path / f"detector_{tag}_{name}.png").stat().st_size > 0
-        assert not pd.read_csv(tmp_path / f"detector_{tag}_{name}.csv").empty
-    metrics = pd.read_csv(tmp_path / f"detector_{tag}_metrics.csv")
+@pytest.fixture(scope="module")
+def run(tiny_model_folder, tmp_path_factory):
+    """The analysis at tiny settings: 2 tasks × 1 sample of 192 tokens, 8 random masks."""
+    out = tmp_path_factory.mktemp("detector_compare")
+    argv = ["--model", str(tiny_model_folder), "--length", "192", "--samples", "1", "--masks", "8"]
+    table = detector_compare.main([*argv, "--out", str(out)])
+    return table, out, f"{tiny_model_folder.name}-192"
+
+
+def test_detector_compare_writes_every_figure_and_csv(run):
+    table, out, tag = run
+    for name in ("categories", "scores", "layers", "faithfulness"):
+        assert (out / f"detector_{tag}_{name}.png").stat().st_size > 0
+        assert not pd.read_csv(out / f"detector_{tag}_{name}.csv").empty
+    metrics = pd.read_csv(out / f"detector_{tag}_metrics.csv")
     assert set(metrics.detector) == set(detector_compare.QUICK_DETECTORS)
     assert len(metrics) == len(table) == 2 * len(detector_compare.QUICK_DETECTORS)  # 2 tasks × 1 sample
     assert metrics.auroc.between(0, 1).all()
-    assert not list(tmp_path.glob(".*tmp*"))  # no half-written files left behind
+    assert not list(out.glob(".*tmp*"))  # no half-written files left behind
+
+
+def test_the_quick_set_leaves_out_the_expensive_detectors():
+    assert not set(detector_compare.SLOW_DETECTORS) & set(detector_compare.QUICK_DETECTORS)
+    assert {"leave_one_out", "context_cite", "integrated_gradients"} <= set(detector_compare.SLOW_DETECTORS)
+    assert {"attention", "fr", "embedding_grad", "information_flow"} <= set(detector_compare.QUICK_DETECTORS)
+
+
+def test_faithfulness_csv_has_one_row_per_sample_and_scorer(run):
+    _, out, tag = run
+    faithful = pd.read_csv(out / f"detector_{tag}_faithfulness.csv")
+    scorers = [*detector_compare.QUICK_DETECTORS, *detector_compare.REFERENCES]
+    assert len(faithful) == 2 * len(scorers) and set(faithful.scorer) == set(scorers)
+    expected = {"task", "seed", "correct", "scorer", "kind", "full_logprob", "lds", "n_sources"}
+    expected |= {f"{metric}_k{k}" for metric in ("comprehensiveness", "sufficiency") for k in KS}
+    expected |= {"aopc_comprehensiveness", "aopc_sufficiency", "source_reduce", "n_masks", "model", "length"}
+    assert expected <= set(faithful.columns)
+    assert set(faithful.kind[faithful.scorer.isin(detector_compare.REFERENCES)]) == {"reference"}
+    assert (faithful.source_reduce == "mean").all() and (faithful.n_masks == 8).all()
+    assert faithful.groupby(["task", "seed"]).full_logprob.nunique().eq(1).all()  # one unmasked pass a sample
+    aopc = faithful[[f"comprehensiveness_k{k}" for k in KS]].mean(axis=1)
+    assert (aopc - faithful.aopc_comprehensiveness).abs().max() < 1e-9
+
+
+def test_rank_table_sets_plausibility_beside_faithfulness(run):
+    _, out, tag = run
+    ranks = pd.read_csv(out / f"detector_{tag}_ranks.csv")
+    expected = {"answer", "detector", "auroc", "aopc_comprehensiveness", "lds", "samples"}
+    expected |= {"rank_plausibility", "rank_comprehensiveness", "rank_LDS"}
+    assert expected <= set(ranks.columns)
+    assert set(ranks.detector) == set(detector_compare.QUICK_DETECTORS)  # detectors only, no references
+    assert "all" in set(ranks.answer) and set(ranks.answer) <= set(detector_compare.ANSWERS)
+    for _, group in ranks.groupby("answer"):
+        for column in ("rank_plausibility", "rank_comprehensiveness", "rank_LDS"):
+            assert group[column].between(1, len(group)).all()
+        assert group.loc[group.auroc.idxmax(), "rank_plausibility"] == 1
+    markdown = (out / f"detector_{tag}_ranks.md").read_text()
+    assert "### Answered all (2 samples)" in markdown and "| `attention` |" in markdown
+
+
+def test_source_scorers_use_an_ablation_detectors_own_source_scores(tiny_model_folder):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_folder)
+    sample = tasks.make("multihop-1", tokenizer, 192, seed=0)
+    n_sources = len(sample.sources)
+    scores = torch.rand(len(sample.input_ids))
+    own = torch.arange(n_sources, dtype=torch.float32)
+    found = {
+        "tokens": detectors.Detection(scores, scores > 0.5, {}),
+        "ablation": detectors.Detection(scores, scores > 0.5, {}, details={"source_scores": own}),
+    }
+    scorers = detector_compare.source_scorers(found, sample, reduce="max")
+    assert list(scorers) == ["tokens", "ablation", "ground_truth", "random_sources"]
+    assert torch.equal(scorers["tokens"], faithfulness.source_scores(scores, sample.sources, "max"))
+    assert torch.equal(scorers["ablation"], own)
+    assert torch.equal(scorers["ground_truth"], faithfulness.ground_truth_scores(sample))
+    again = detector_compare.source_scorers(found, sample)["random_sources"]
+    assert torch.equal(scorers["random_sources"], again) and again.shape == (n_sources,)  # seeded
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--samples", "0"], "at least 1"),
+        (["--masks", "1"], "at least 2"),
+        (["--source-reduce", "median"], "invalid choice"),
         (["--detectors", "nope"], "invalid choice"),
         (["--length", "9000"], "context"),
     ],

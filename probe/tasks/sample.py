@@ -15,12 +15,15 @@ prompt alone, for generation.
 
 A :class:`Sample` knows itself: its token ``offsets`` (kept from that one tokenization), the
 ``target_positions`` of its answer, one category per token (``categories``) and its ablation units
-(``sources``). Detectors, metrics, retrieval and denoising read them here; nothing re-tokenizes.
+(``sources``). Detectors, metrics, retrieval and denoising read them here; nothing re-tokenizes,
+except :meth:`Sample.without`, the text-level ablation, which drops sources from the text and
+tokenizes the result once, with the same exact span mapping.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -86,7 +89,9 @@ class Sample:
     (start, end) of each token in ``text``, as the tokenizer's offset mapping gave it when the sample
     was rendered ((0, 0) for an added special token such as ``<bos>``). ``prompt_length``: number
     of prompt tokens (the answer starts there). ``length``, ``seed``, ``depth`` and ``options`` are
-    the settings that built it.
+    the settings that built it. ``removed``: the sources of the full sample that :meth:`without`
+    dropped from this one's text, as ``(category, index)`` in the full sample's numbering, sorted;
+    empty for a sample as rendered.
     """
 
     task: str
@@ -102,6 +107,7 @@ class Sample:
     spans: dict[str, list[tuple[int, int]]]
     char_spans: dict[str, list[tuple[int, int]]] = field(repr=False)
     offsets: np.ndarray = field(repr=False)
+    removed: tuple[tuple[str, int], ...] = ()
 
     @property
     def target_positions(self) -> torch.Tensor:
@@ -144,6 +150,103 @@ class Sample:
         """The recorded text of each span of ``category`` (what each token span stands for)."""
         return [self.text[start:end] for start, end in self.char_spans[category]]
 
+    def without(self, sources: Sequence[Source], tokenizer: PreTrainedTokenizerBase) -> Sample:
+        """The same sample with the text of ``sources`` removed, tokenized once more (text-level ablation).
+
+        Each removed source takes with it the separator that joined it to the next source (to the
+        previous one for the last of the body), so the remaining sources are joined exactly as
+        :func:`render` joins a body without them: no doubled separators, and the context's opening
+        and closing text stay. ``tokenizer`` must be the one that rendered the sample; the text is
+        tokenized once, the chat template (if any) is already part of it, and every remaining span,
+        ``offsets``, ``input_ids`` and ``prompt_length`` are recomputed exactly (a token straddling a
+        new span boundary raises, as in :func:`render`). The removed sources' categories lose those
+        entries (indices of later entries shift down); ``removed`` records what went, in the full
+        sample's numbering, so ``without`` composes. ``length``, ``seed``, ``depth`` and ``options``
+        stay the settings that built the full sample.
+
+        ``sources``: any of :attr:`sources`, in any order (repeats count once); an empty selection
+        returns a sample equal to this one. Raises ``ValueError`` for the question or the answer
+        (never removed), for a source that is not one of this sample's, for a body whose sources are
+        not all joined by one separator (untracked text between them), and when the re-tokenized
+        question or answer tokens differ from this sample's (a different tokenizer).
+        """
+        own = self.sources
+        chosen = set(sources)
+        for source in chosen:
+            if source.category in ("question", "answer"):
+                raise ValueError(f"the {source.category} is never removed from a sample, got {source}")
+            if source not in own:
+                raise ValueError(f"{source} is not one of this sample's sources")
+        chars = [self.char_spans[source.category][source.index] for source in own]
+        gaps = {self.text[end:start] for (_, end), (start, _) in zip(chars, chars[1:], strict=False)}
+        if len(gaps) > 1:
+            raise ValueError(f"the sources are not joined by one separator (found {sorted(gaps)})")
+
+        gone = [source in chosen for source in own]
+        last_kept = max((i for i, flag in enumerate(gone) if not flag), default=-1)
+        cuts = []  # character ranges to delete, in text order
+        for i, flag in enumerate(gone):
+            if not flag:
+                continue
+            if 0 <= last_kept < i:  # after the last kept source: the separator before it goes
+                cuts.append((chars[i - 1][1], chars[i][1]))
+            elif i + 1 < len(own):  # otherwise the separator after it goes
+                cuts.append((chars[i][0], chars[i + 1][0]))
+            else:  # the only source of the body
+                cuts.append(chars[i])
+        kept_text = np.ones(len(self.text), dtype=bool)
+        pieces, position = [], 0
+        for start, end in cuts:
+            kept_text[start:end] = False
+            pieces.append(self.text[position:start])
+            position = end
+        text = "".join(pieces) + self.text[position:]
+        new_position = np.concatenate([[0], np.cumsum(kept_text)])  # old character index -> new one
+
+        dropped = {(source.category, source.index) for source in chosen}
+        char_spans = {
+            category: [
+                (int(new_position[start]), int(new_position[end]))
+                for index, (start, end) in enumerate(spans)
+                if (category, index) not in dropped
+            ]
+            for category, spans in self.char_spans.items()
+        }
+        with_chat = uses_chat(tokenizer, self.options.get("chat"))
+        encoding = tokenizer(text, add_special_tokens=not with_chat, return_offsets_mapping=True)
+        offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        input_ids = torch.tensor(encoding["input_ids"], dtype=torch.long)
+        spans = {
+            category: [_token_span(text, offsets, span) for span in ranges]
+            for category, ranges in char_spans.items()
+        }
+        for category in ("question", "answer"):
+            (old_start, old_end), (new_start, new_end) = self.spans[category][0], spans[category][0]
+            if not torch.equal(self.input_ids[old_start:old_end], input_ids[new_start:new_end]):
+                raise ValueError(
+                    f"the {category} tokenizes differently after the removal: is {type(tokenizer).__name__} "
+                    "the tokenizer that rendered this sample?"
+                )
+        removed = set(self.removed) | {
+            (source.category, _full_index(self.removed, source.category, source.index)) for source in chosen
+        }
+        return Sample(
+            task=self.task,
+            length=self.length,
+            seed=self.seed,
+            depth=self.depth,
+            options=dict(self.options),
+            text=text,
+            input_ids=input_ids,
+            answer=self.answer,
+            answer_pattern=self.answer_pattern,
+            prompt_length=spans["answer"][0][0],
+            spans=spans,
+            char_spans=char_spans,
+            offsets=offsets,
+            removed=tuple(sorted(removed)),
+        )
+
     def score(self, generated_text: str) -> float:
         """1.0 if the first candidate answer in ``generated_text`` is the gold answer, else 0.0.
 
@@ -156,7 +259,11 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-Python form (lists, not tensors or arrays) for JSON / pandas; :meth:`from_dict` reads it."""
-        record = asdict(self) | {"input_ids": self.input_ids.tolist(), "offsets": self.offsets.tolist()}
+        record = asdict(self) | {
+            "input_ids": self.input_ids.tolist(),
+            "offsets": self.offsets.tolist(),
+            "removed": [list(entry) for entry in self.removed],
+        }
         for key in ("spans", "char_spans"):
             record[key] = {cat: [list(s) for s in spans] for cat, spans in record[key].items()}
         return record
@@ -169,10 +276,23 @@ class Sample:
             "depth": tuple(depth) if isinstance(depth, list) else depth,
             "input_ids": torch.tensor(record["input_ids"], dtype=torch.long),
             "offsets": np.asarray(record["offsets"], dtype=np.int64).reshape(-1, 2),
+            "removed": tuple(tuple(entry) for entry in record.get("removed", ())),
         }
         for key in ("spans", "char_spans"):
             fields[key] = {cat: [tuple(s) for s in spans] for cat, spans in record[key].items()}
         return cls(**fields)
+
+
+def _full_index(removed: Sequence[tuple[str, int]], category: str, index: int) -> int:
+    """The index in the full sample of the ``index``-th remaining entry of ``category``, given the
+    entries already ``removed`` (full-sample numbering): the ``index``-th integer not among them."""
+    gone = {i for cat, i in removed if cat == category}
+    full = -1
+    for _ in range(index + 1):
+        full += 1
+        while full in gone:
+            full += 1
+    return full
 
 
 def uses_chat(tokenizer: PreTrainedTokenizerBase, chat: bool | None = None) -> bool:
