@@ -104,6 +104,11 @@ PAIRS = (
     ("package_logprob", "context_cite"),
     ("context_cite", "leave_one_out"),
 )
+#: What the summary prints: per pair, and per sample.
+PAIR_COLUMNS = ["top1_a", "top1_b", "top1_agree", "top3_overlap", "spearman"]
+PAIR_COLUMNS += ["seconds_a", "seconds_b", "cpu_seconds_a", "cpu_seconds_b", "load_a", "load_b"]
+SAMPLE_COLUMNS = ["n_sources", "full_logprob", "ours_heldout_spearman", "text_ablation_max_diff"]
+SAMPLE_COLUMNS += ["text_vs_key_spearman", "text_vs_key_mae"]
 
 
 class SamplePartitioner(BaseContextPartitioner):
@@ -293,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         "--resume", action="store_true", help="keep the rows of --csv and run only the seeds it lacks"
     )
     args = parser.parse_args(argv)
+    done = pd.read_csv(args.csv) if args.resume and args.csv and args.csv.exists() else pd.DataFrame()
+    if len(done) and not set(PAIR_COLUMNS + SAMPLE_COLUMNS) <= set(done.columns):
+        raise SystemExit(f"{args.csv} was written by an older version of this script; rerun without --resume")
 
     torch.set_num_threads(args.threads)
     model, tokenizer = probe.load_model(args.model)
@@ -300,7 +308,6 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         raise SystemExit(f"{args.model} has no chat template; the package always applies one")
     warm = probe.tasks.make("multihop-1", tokenizer, args.length, seed=10_000)
     gold_logprob(model, warm)  # page in the weights, warm the kernels
-    done = pd.read_csv(args.csv) if args.resume and args.csv and args.csv.exists() else pd.DataFrame()
     tables = [done[done.seed.isin(args.seeds)]] if len(done) else []
     for seed in sorted(set(args.seeds) - set(done.seed if len(done) else [])):
         rows = compare_sample(model, tokenizer, seed, args.length)
@@ -309,14 +316,10 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
         if args.csv:  # every sample, so a long run that is stopped keeps what it did
             atomic_write(args.csv, lambda tmp, table=table: table.to_csv(tmp, index=False))
     table = pd.concat(tables, ignore_index=True).sort_values(["seed"], kind="stable")
-    pair_columns = ["top1_a", "top1_b", "top1_agree", "top3_overlap", "spearman"]
-    pair_columns += ["seconds_a", "seconds_b", "cpu_seconds_a", "cpu_seconds_b", "load_a", "load_b"]
-    sample_columns = ["n_sources", "full_logprob", "ours_heldout_spearman", "text_ablation_max_diff"]
-    sample_columns += ["text_vs_key_spearman", "text_vs_key_mae"]
     with pd.option_context("display.width", 200, "display.max_columns", None):
-        print(table[["seed", "a", "b", *pair_columns]].round(3).to_string(index=False))
-        print(table.groupby("seed")[sample_columns].first().round(4).to_string())
-        means = table.groupby(["a", "b"], sort=False)[pair_columns[2:]].mean()
+        print(table[["seed", "a", "b", *PAIR_COLUMNS]].round(3).to_string(index=False))
+        print(table.groupby("seed")[SAMPLE_COLUMNS].first().round(4).to_string())
+        means = table.groupby(["a", "b"], sort=False)[PAIR_COLUMNS[2:]].mean()
         print(means.round(3).to_string())
     return table
 
