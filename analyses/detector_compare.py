@@ -28,15 +28,16 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
   faithfulness ranks (mean AOPC of comprehensiveness, mean LDS), correct / wrong / all answers.
 
 Faithfulness costs one masked forward pass per distinct mask: up to 8 per scorer (top-k removed /
-kept) plus the random masks, about 110 passes a sample with the quick set (~3.5 minutes at 1K
-tokens on a 2-core CPU). So the quick default runs ONE sample per task (two samples: too few to
-conclude from, enough to check the pipeline and see the curves) to finish within ten minutes;
-raise ``--samples`` for numbers to draw conclusions from. The ablation detectors
+kept) plus the random masks, up to 113 passes a sample with the quick set (a sample took ~2.2
+minutes at 1K tokens on an otherwise idle 2-core CPU, of which ~9 s are the detectors). So
+the quick default runs ONE sample per task (two samples: too few to conclude from, enough to check
+the pipeline and see the curves; 4.6 minutes in all here), to stay within ten minutes; raise
+``--samples`` for numbers to draw conclusions from. The ablation detectors
 (``leave_one_out``, ``context_cite``) and ``integrated_gradients`` cost tens of passes a sample and
 are left out of the quick set; add them with ``--detectors``.
 
     python -m analyses.detector_compare                               # quick default, SmolLM2, ~1K tokens
-    python -m analyses.detector_compare --samples 8                   # 16 samples, about an hour here
+    python -m analyses.detector_compare --samples 8                   # 16 samples, ~36 minutes here
     python -m analyses.detector_compare --samples 4 --detectors attention information_flow leave_one_out
     python -m analyses.detector_compare --model gemma3-270m --length 4096 --samples 12
 """
@@ -60,7 +61,7 @@ from probe.generation import answer
 
 SLOW_DETECTORS = ("integrated_gradients", "leave_one_out", "context_cite")
 QUICK_DETECTORS = [name for name in detectors.names() if name not in SLOW_DETECTORS]
-SAMPLES_QUICK = 1  # per task: faithfulness costs ~110 masked passes a sample (see above)
+SAMPLES_QUICK = 1  # per task: faithfulness costs up to 113 masked passes a sample (see above)
 REFERENCES = ("ground_truth", "random_sources")
 LAYER_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
 SCORE_COLUMNS = {
@@ -72,7 +73,7 @@ SCORE_COLUMNS = {
     "fact_hit_rate": "fact hit rate (top-k)",
 }
 RANKED = {"auroc": "plausibility", "aopc_comprehensiveness": "comprehensiveness", "lds": "LDS"}
-ANSWERS = ("correct", "wrong", "all")
+ANSWERS = {"correct": "answered correctly", "wrong": "answered wrongly", "all": "all answers"}
 
 
 def layer_enrichment(per_layer: torch.Tensor, sample: tasks.Sample) -> pd.DataFrame:
@@ -248,10 +249,12 @@ def plot_deletion(faithful: pd.DataFrame) -> plt.Figure:
     dashed), one panel per answer group (correct / wrong, with its number of samples)."""
     curves = deletion_curves(faithful)
     counts = _answer_label(faithful.drop_duplicates(["task", "seed"]).correct).value_counts()
-    curves["answer"] = [f"answered {a} (n = {counts[a]})" for a in curves.answer]
+    curves["answer"] = [f"{ANSWERS[a]} (n = {counts[a]})" for a in curves.answer]
     names = list(dict.fromkeys(faithful.scorer[faithful.kind == "detector"]))
-    colors = sns.color_palette("tab10" if len(names) <= 10 else "tab20", len(names))
-    palette = dict(zip(names, colors, strict=True)) | {"ground_truth": "black", "random_sources": "grey"}
+    colors = [c for i, c in enumerate(sns.color_palette("tab20")) if i not in (14, 15)]  # greys: references
+    colors = colors[::2] + colors[1::2]  # the strong shades first
+    palette = {name: colors[i % len(colors)] for i, name in enumerate(names)}
+    palette |= {"ground_truth": "black", "random_sources": "grey"}
     grid = sns.relplot(
         data=curves,
         x="k",
@@ -301,7 +304,7 @@ def rank_table(table: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
             .rank(ascending=False, method="min", na_option="bottom")
             .astype(int)
         )
-    ranks["answer"] = pd.Categorical(ranks.answer, ANSWERS)
+    ranks["answer"] = pd.Categorical(ranks.answer, list(ANSWERS))
     return ranks.sort_values(["answer", "rank_plausibility"]).reset_index(drop=True)
 
 
@@ -318,7 +321,9 @@ def ranks_markdown(ranks: pd.DataFrame) -> str:
             f"| {r.aopc_comprehensiveness:.2f} | {r.rank_comprehensiveness} | {r.lds:.2f} | {r.rank_LDS} |"
             for r in part.itertuples()
         ]
-        parts.append(f"### Answered {group} ({part.samples.max()} samples)\n\n{header}\n" + "\n".join(lines))
+        n = int(part.samples.max())
+        title = f"### {ANSWERS[group].capitalize()} ({n} sample{'s' * (n != 1)})"
+        parts.append(f"{title}\n\n{header}\n" + "\n".join(lines))
     return "\n\n".join(parts) + "\n\nRank 1 = best (AUROC: plausibility; AOPC and LDS: faithfulness).\n"
 
 
@@ -341,7 +346,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=SAMPLES_QUICK,
         help=f"samples per task (default {SAMPLES_QUICK}, so that the quick default fits ten minutes on "
-        "2 CPU cores: faithfulness costs ~110 masked passes a sample; use 8 for stable numbers)",
+        "2 CPU cores: faithfulness costs ~2 minutes a sample at 1K; use 8 or more to conclude)",
     )
     parser.add_argument(
         "--detectors",

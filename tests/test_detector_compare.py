@@ -67,7 +67,7 @@ def test_rank_table_sets_plausibility_beside_faithfulness(run):
             assert group[column].between(1, len(group)).all()
         assert group.loc[group.auroc.idxmax(), "rank_plausibility"] == 1
     markdown = (out / f"detector_{tag}_ranks.md").read_text()
-    assert "### Answered all (2 samples)" in markdown and "| `attention` |" in markdown
+    assert "### All answers (2 samples)" in markdown and "| `attention` |" in markdown
 
 
 def test_source_scorers_use_an_ablation_detectors_own_source_scores(tiny_model_folder):

@@ -1,0 +1,97 @@
+"""The memory planner's predicted peak against the measured one: ``information_flow`` with and without
+checkpointing, on the real models, at growing lengths.
+
+Each (model, method, length) runs in its own child process (the shared harness): the child loads the
+model, warms it up, resets the kernel's peak-RSS counter and runs ``probe.information_flow`` once —
+all layers, the last ``--targets`` tokens as targets, essay text (:func:`probe.tasks.noise.essay_ids`)
+— and reports the peak RSS above the warmed-up model beside :func:`probe.planner.plan`'s prediction
+for the same call (computed before the run, from the model's shapes only). ``ratio`` is measured /
+predicted; ``tensors_mib`` is the prediction without its ``allocator`` term (the bytes of live tensors;
+the rest is glibc heap slack, see :mod:`probe.planner`). ``load`` is the 1-minute load average seen
+by the child just before its run (the machine has 2 cores).
+
+- ``plain``: ``probe.information_flow(model, ids, targets)``.
+- ``checkpointed``: the same call inside ``probe.capture.checkpointed(model)``.
+
+    python bench/planner_validation.py --csv bench/results/planner_validation.csv
+    python bench/planner_validation.py --models smollm2-135m --lengths 1024 2048   # quick
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pandas as pd
+from harness import bench_parser, measure, report, run_children
+
+METHODS = ("plain", "checkpointed")
+MODELS = ("smollm2-135m", "gemma3-270m")
+
+
+def _run_child(method: str, length: int, n_targets: int, model_name: str, threads: int) -> dict:
+    """Run ``information_flow`` once in this (fresh) process; return measured and predicted peaks."""
+    import torch
+
+    import probe
+    from probe.capture import checkpointed
+    from probe.planner import plan
+    from probe.tasks.noise import essay_ids
+
+    torch.set_num_threads(threads)
+    model, tokenizer = probe.load_model(model_name)
+    ids = essay_ids(tokenizer, length)[0][None]
+    targets = torch.arange(length - n_targets, length)
+    checkpoint = method == "checkpointed"
+    predicted = plan(model, length, "information_flow", rows=n_targets, checkpoint=checkpoint)
+
+    def run():
+        with checkpointed(model, enabled=checkpoint):
+            probe.information_flow(model, ids, targets)
+
+    def warm_up():
+        with torch.no_grad():
+            model(input_ids=ids[:, :64], use_cache=False)
+
+    load = os.getloadavg()[0]
+    measured = measure(run, warm_up)[0]
+    return {
+        **measured,
+        "predicted_mib": predicted.total / 2**20,
+        "tensors_mib": (predicted.total - predicted.terms["allocator"]) / 2**20,
+        "phase": predicted.phase,
+        "load": load,
+        **{f"{name}_mib": value / 2**20 for name, value in predicted.terms.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = bench_parser(__doc__, METHODS, [1024, 2048, 4096, 8192])
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--targets", type=int, default=16, help="loss on the last N tokens")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in each child")
+    args = parser.parse_args(argv)
+    if args.child:
+        child = functools.partial(
+            _run_child, n_targets=args.targets, model_name=args.model, threads=args.threads
+        )
+        import json
+
+        print(json.dumps(child(args.child[0], int(args.child[1]))))
+        return pd.DataFrame()
+    tables = []
+    for model in args.models:
+        jobs = [(method, length) for length in args.lengths for method in args.methods]
+        forwarded = ["--model", model, "--targets", str(args.targets), "--threads", str(args.threads)]
+        table = run_children(__file__, forwarded, jobs)
+        tables.append(table.assign(model=model))
+    table = pd.concat(tables, ignore_index=True)
+    table = table.assign(ratio=table.peak_mib / table.predicted_mib)
+    table = table.assign(within_15pct=(table.ratio - 1).abs() <= 0.15)
+    first = ["model", "length", "method", "peak_mib", "predicted_mib", "ratio", "within_15pct", "tensors_mib"]
+    table = table[first + [c for c in table.columns if c not in first]]
+    return report(table, args.csv)
+
+
+if __name__ == "__main__":
+    main()
