@@ -2,6 +2,7 @@
 
 from probe import detectors, metrics
 from probe.attribution import (
+    answer_attribution,
     attention_matrices,
     attention_rows,
     embedding_grad_norms,
@@ -13,6 +14,7 @@ from probe.capture import (
     UnsupportedModelError,
     ablate_heads,
     attention_window,
+    checkpointed,
     mask_keys,
     target_loss,
     trace,
@@ -23,6 +25,7 @@ from probe.generation import answer
 from probe.graph import context_selector
 from probe.lsd import longppl, pool_longppl, token_lsd
 from probe.models import load_model, tiny_model, to_bridge
+from probe.planner import plan
 from probe.retrieval import RetrievalScores, retrieval_scores
 
 __all__ = [
@@ -35,9 +38,11 @@ __all__ = [
     "UnsupportedModelError",
     "ablate_heads",
     "answer",
+    "answer_attribution",
     "attention_window",
     "attention_matrices",
     "attention_rows",
+    "checkpointed",
     "context_selector",
     "embedding_grad_norms",
     "embedding_grads",
@@ -46,6 +51,7 @@ __all__ = [
     "longppl",
     "mask_keys",
     "noise_restraint",
+    "plan",
     "pool_longppl",
     "retrieval_scores",
     "target_loss",

@@ -1,9 +1,13 @@
 """Attention rows, full attention matrices, information flow and embedding gradients.
 
 Every function here reads attention through :func:`probe.capture.trace`; none holds
-full-vocabulary logits or all layers' full attention matrices. :func:`answer_attribution` gets
-the answer rows' attention, its gradient and the input-embedding gradient from one
-forward+backward pass, for every detector that needs any of them.
+full-vocabulary logits or all layers' full attention matrices. Each checks its memory plan first
+(:func:`probe.planner.guarded`: a clear :class:`MemoryError` instead of being killed), and the
+gradient probes take ``checkpoint=False | True | "auto"``: decoder layers recomputed in the
+backward pass (:func:`probe.capture.checkpointed`), same result, activation memory
+O(seq·hidden·layers); ``"auto"`` (the default) turns it on when the plain pass would not fit.
+:func:`answer_attribution` gets the answer rows' attention, its gradient and the input-embedding
+gradient from one forward+backward pass, for every detector that needs any of them.
 """
 
 from __future__ import annotations
@@ -13,38 +17,68 @@ from dataclasses import dataclass
 
 import torch
 
+from probe.batch import Batch, batch_loss, batch_of, is_batch
 from probe.capture import (
     check_input_ids,
     check_layers,
-    check_positions,
     frozen_parameters,
     hf_model,
-    target_loss,
     trace,
 )
+from probe.planner import guarded
+
+Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
+
+
+def _batch(model, input_ids: Ids, positions, attention_mask, what: str, minimum: int) -> tuple[Batch, bool]:
+    """(the sequences as a :class:`~probe.batch.Batch`, whether one sequence was given)."""
+    if is_batch(input_ids, attention_mask):
+        return batch_of(model, input_ids, positions, attention_mask, what, minimum), False
+    ids = check_input_ids(model, input_ids)
+    return batch_of(model, ids, [positions], None, what, minimum), True
+
+
+def _per_sequence(cache, kind: str, layers: list[int], batch: Batch, b: int) -> torch.Tensor:
+    """Sequence ``b``'s captured rows over its own keys: Tensor[layers, heads, rows_b, seq_b]."""
+    stacked = torch.stack([cache[kind, layer][b] for layer in layers])  # [layers, heads, union, seq]
+    return stacked[:, :, batch.index(b), : batch.lengths[b]]
+
+
+def _one_or_all(results: list, single: bool):
+    return results[0] if single else results
 
 
 @torch.no_grad()
 def attention_rows(
     model,
-    input_ids: torch.Tensor | Sequence[int],
-    rows: Sequence[int],
+    input_ids: Ids,
+    rows: Sequence[int] | Sequence[Sequence[int]],
     layers: Sequence[int] | None = None,
     inputs_embeds: torch.Tensor | None = None,
-) -> torch.Tensor:
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
     """Attention of query ``rows`` over all keys: Tensor[layers, heads, len(rows), seq].
 
     One forward pass with the fused kernel; only the requested rows are recomputed.
     GQA models report one pattern per query head. ``inputs_embeds`` (Tensor[seq, hidden]) replaces
-    the embeddings of ``input_ids`` (e.g. denoised embeddings, CDT eq. 2).
+    the embeddings of ``input_ids`` (e.g. denoised embeddings, CDT eq. 2). Several sequences
+    (:mod:`probe.batch`: a list, or ``[batch, seq]`` with ``attention_mask``) with one list of
+    ``rows`` each run as one pass and give one such tensor per sequence, over its own tokens.
     """
-    ids = check_input_ids(model, input_ids)
-    rows = check_positions(rows, ids.shape[1], "rows")
+    batch, single = _batch(model, input_ids, rows, attention_mask, "rows", 0)
+    if inputs_embeds is not None and not single:
+        raise ValueError("inputs_embeds replaces the embeddings of one sequence; pass one sequence with it")
     layers = check_layers(model, layers)
-    inputs = _model_inputs(model, ids, inputs_embeds)
-    with frozen_parameters(hf_model(model)), trace(model, rows=rows, layers=layers) as cache:
+    inputs = _model_inputs(model, batch.input_ids, inputs_embeds)
+    with (
+        guarded(
+            model, batch.input_ids.shape[1], "attention_rows", False, len(batch.union), len(batch), layers
+        ),
+        frozen_parameters(hf_model(model)),
+        trace(model, rows=batch.union, layers=layers) as cache,
+    ):
         hf_model(model)(**inputs, use_cache=False, logits_to_keep=1)
-    return cache.stack("pattern", layers)
+    return _one_or_all([_per_sequence(cache, "pattern", layers, batch, b) for b in range(len(batch))], single)
 
 
 def _model_inputs(model, ids: torch.Tensor, inputs_embeds: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -107,11 +141,13 @@ def flow_from_pattern(
 
 def information_flow(
     model,
-    input_ids: torch.Tensor | Sequence[int],
-    target_positions: Sequence[int],
+    input_ids: Ids,
+    target_positions: Sequence[int] | Sequence[Sequence[int]],
     layers: Sequence[int] | None = None,
     reduce: str = "sum_then_abs",
-) -> torch.Tensor:
+    checkpoint: bool | str = "auto",
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
     """Information flow from each context token to the targets: Tensor[layers, seq].
 
     The IG score of CDT (seed 002, eq. 1) / the saliency of Wang et al. (2023):
@@ -121,47 +157,86 @@ def information_flow(
     - ``"sum_then_abs"``: Σ_r |Σ_h A_h[r, i] · ∂L/∂A_h[r, i]|  (heads combined before the abs,
       as the reference code does)
     - ``"abs_then_sum"``: Σ_r Σ_h |A_h[r, i] · ∂L/∂A_h[r, i]|  (the formula as printed in the seed)
+
+    Several sequences (:mod:`probe.batch`), one list of ``target_positions`` each: one
+    forward+backward of the sum of their losses, one Tensor[layers, seq_b] per sequence.
     """
     _check_reduce(reduce)
-    ids = check_input_ids(model, input_ids)
-    targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
+    batch, single = _batch(model, input_ids, target_positions, attention_mask, "target_positions", 1)
     layers = check_layers(model, layers)
     with (
+        guarded(
+            model,
+            batch.input_ids.shape[1],
+            "information_flow",
+            checkpoint,
+            len(batch.union),
+            len(batch),
+            layers,
+        ),
         frozen_parameters(hf_model(model)),
         torch.enable_grad(),
-        trace(model, rows=targets - 1, layers=layers, grad=True) as cache,
+        trace(model, rows=batch.union - 1, layers=layers, grad=True) as cache,
     ):
-        target_loss(model, ids, targets).backward()
-    return flow_from_pattern(cache.stack("pattern", layers), cache.stack("pattern_grad", layers), reduce)
+        batch_loss(model, batch).backward()
+    flows = [
+        flow_from_pattern(
+            _per_sequence(cache, "pattern", layers, batch, b),
+            _per_sequence(cache, "pattern_grad", layers, batch, b),
+            reduce,
+        )
+        for b in range(len(batch))
+    ]
+    return _one_or_all(flows, single)
 
 
 def embedding_grads(
     model,
-    input_ids: torch.Tensor | Sequence[int],
-    target_positions: Sequence[int],
+    input_ids: Ids,
+    target_positions: Sequence[int] | Sequence[Sequence[int]],
     inputs_embeds: torch.Tensor | None = None,
-) -> torch.Tensor:
+    checkpoint: bool | str = "auto",
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
     """∂L/∂e_i for each input embedding e_i: Tensor[seq, hidden] (CDT §4.1).
 
     Same loss as :func:`information_flow`; parameters are frozen, so only the gradient with
     respect to the input embeddings is computed. ``inputs_embeds`` (Tensor[seq, hidden]) replaces
-    the embeddings of ``input_ids``; the loss still scores the tokens of ``input_ids``.
+    the embeddings of ``input_ids``; the loss still scores the tokens of ``input_ids``. Several
+    sequences (:mod:`probe.batch`): one pass, one Tensor[seq_b, hidden] per sequence.
     """
-    ids = check_input_ids(model, input_ids)
-    targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
+    batch, single = _batch(model, input_ids, target_positions, attention_mask, "target_positions", 1)
+    if inputs_embeds is not None and not single:
+        raise ValueError("inputs_embeds replaces the embeddings of one sequence; pass one sequence with it")
     inner = hf_model(model)
-    with frozen_parameters(inner), torch.enable_grad():
-        embeds = inner.get_input_embeddings()(ids)[0] if inputs_embeds is None else inputs_embeds
-        embeds = _model_inputs(model, ids, embeds.detach())["inputs_embeds"].requires_grad_(True)
-        (grad,) = torch.autograd.grad(target_loss(model, ids, targets, inputs_embeds=embeds), embeds)
-    return grad[0]
+    with (
+        guarded(model, batch.input_ids.shape[1], "embedding_grads", checkpoint, len(batch.union), len(batch)),
+        frozen_parameters(inner),
+        torch.enable_grad(),
+    ):
+        if inputs_embeds is None:
+            embeds = inner.get_input_embeddings()(batch.input_ids)
+        else:
+            embeds = _model_inputs(model, batch.input_ids, inputs_embeds)["inputs_embeds"]
+        embeds = embeds.detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(batch_loss(model, batch, inputs_embeds=embeds), embeds)
+    return _one_or_all([grad[b, : batch.lengths[b]] for b in range(len(batch))], single)
 
 
 def embedding_grad_norms(
-    model, input_ids: torch.Tensor | Sequence[int], target_positions: Sequence[int], p: float = 2
-) -> torch.Tensor:
-    """‖∂L/∂e_i‖_p for each input embedding e_i: Tensor[seq] (CDT §4.1, the cheap IG proxy)."""
-    return embedding_grads(model, input_ids, target_positions).norm(p=p, dim=-1)
+    model,
+    input_ids: Ids,
+    target_positions: Sequence[int] | Sequence[Sequence[int]],
+    p: float = 2,
+    checkpoint: bool | str = "auto",
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """‖∂L/∂e_i‖_p for each input embedding e_i: Tensor[seq] (CDT §4.1, the cheap IG proxy);
+    one per sequence for several (see :func:`embedding_grads`)."""
+    grads = embedding_grads(model, input_ids, target_positions, None, checkpoint, attention_mask)
+    if isinstance(grads, torch.Tensor):
+        return grads.norm(p=p, dim=-1)
+    return [grad.norm(p=p, dim=-1) for grad in grads]
 
 
 @dataclass(frozen=True)
@@ -202,10 +277,12 @@ class AnswerAttribution:
 
 def answer_attribution(
     model,
-    input_ids: torch.Tensor | Sequence[int],
-    target_positions: Sequence[int],
+    input_ids: Ids,
+    target_positions: Sequence[int] | Sequence[Sequence[int]],
     layers: Sequence[int] | None = None,
-) -> AnswerAttribution:
+    checkpoint: bool | str = "auto",
+    attention_mask: torch.Tensor | None = None,
+) -> AnswerAttribution | list[AnswerAttribution]:
     """Attention rows, their gradients and the input-embedding gradients from one pass.
 
     One forward (under :func:`probe.capture.trace` with ``grad=True``, the embeddings of
@@ -213,23 +290,28 @@ def answer_attribution(
     :func:`information_flow`, parameters frozen. Equal to :func:`attention_rows` of rows
     ``target_positions − 1``, :func:`information_flow` and :func:`embedding_grads` computed
     separately (three passes, two of them with a backward), for ``layers`` (``None`` = all).
+    Several sequences (:mod:`probe.batch`): one pass for all, one attribution per sequence.
     """
-    ids = check_input_ids(model, input_ids)
-    targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1)
+    batch, single = _batch(model, input_ids, target_positions, attention_mask, "target_positions", 1)
     layers = check_layers(model, layers)
     inner = hf_model(model)
-    rows = targets - 1
+    seq = batch.input_ids.shape[1]
     with (
+        guarded(model, seq, "answer_attribution", checkpoint, len(batch.union), len(batch), layers),
         frozen_parameters(inner),
         torch.enable_grad(),
-        trace(model, rows=rows, layers=layers, grad=True) as cache,
+        trace(model, rows=batch.union - 1, layers=layers, grad=True) as cache,
     ):
-        embeds = inner.get_input_embeddings()(ids).detach().requires_grad_(True)
-        target_loss(model, ids, targets, inputs_embeds=embeds).backward()
-    return AnswerAttribution(
-        pattern=cache.stack("pattern", layers),
-        pattern_grad=cache.stack("pattern_grad", layers),
-        embedding_grad=embeds.grad[0],
-        layers=tuple(layers),
-        rows=rows.cpu(),
-    )
+        embeds = inner.get_input_embeddings()(batch.input_ids).detach().requires_grad_(True)
+        batch_loss(model, batch, inputs_embeds=embeds).backward()
+    found = [
+        AnswerAttribution(
+            pattern=_per_sequence(cache, "pattern", layers, batch, b),
+            pattern_grad=_per_sequence(cache, "pattern_grad", layers, batch, b),
+            embedding_grad=embeds.grad[b, : batch.lengths[b]],
+            layers=tuple(layers),
+            rows=(batch.positions[b] - 1).cpu(),
+        )
+        for b in range(len(batch))
+    ]
+    return _one_or_all(found, single)

@@ -196,6 +196,11 @@ def _active() -> _Modifiers:
     return _ACTIVE.get() or _NONE
 
 
+def masks_active() -> bool:
+    """Whether an attention window or key mask is active here (every layer then gets a mask)."""
+    return bool(_active().windows or _active().key_masks)
+
+
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("longprobe_recomputing", default=False)
 
 
@@ -651,12 +656,13 @@ def checkpointed(model, enabled: bool = True) -> Iterator[None]:
             f"{type(inner).__name__} has no transformers GradientCheckpointingLayer to checkpoint; "
             "run the probe with checkpoint=False"
         )
-    for layer in layers:
+    wrapped = [layer for layer in layers if not getattr(vars(layer).get("forward"), "checkpointing", False)]
+    for layer in wrapped:  # an enclosing block's layers stay as they are, and are its to restore
         layer.forward = _checkpointing(layer.forward)
     try:
         yield
     finally:
-        for layer in layers:
+        for layer in wrapped:
             vars(layer).pop("forward", None)
 
 
@@ -677,6 +683,7 @@ def _checkpointing(forward: Callable) -> Callable:
             **kwargs,
         )
 
+    checkpointed_forward.checkpointing = True
     return checkpointed_forward
 
 

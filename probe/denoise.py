@@ -71,6 +71,7 @@ def noise_restraint(
     beta: float = 5.0,
     move: str | torch.Tensor = "noise",
     layers: Sequence[int] | None = None,
+    checkpoint: bool | str = "auto",
 ) -> pd.DataFrame:
     """Attention from the answer rows per layer and category, before and after CDT eq. 2.
 
@@ -85,13 +86,13 @@ def noise_restraint(
     (attention mass, :func:`category_mass`), ``ratio`` (after / before; NaN where a sliding-window
     layer cannot see the category at all), ``loss_before, loss_after`` (L on E and on E') and
     ``shift`` (mean ‖E' − E‖ / ‖E‖ over the moved tokens). Moving against the gradient lowers L
-    for small enough steps.
+    for small enough steps. ``checkpoint``: the gradient pass's (see :mod:`probe.attribution`).
     """
     ids, targets = sample.input_ids, sample.target_positions
     layers, labels = check_layers(model, layers), sample.categories
     with torch.no_grad():
         embeds = hf_model(model).get_input_embeddings()(ids)
-    grads = embedding_grads(model, ids, targets, inputs_embeds=embeds)
+    grads = embedding_grads(model, ids, targets, inputs_embeds=embeds, checkpoint=checkpoint)
     moved = moved_tokens(sample, move, grads)
     before, loss_before = answer_attention(model, ids, targets, layers, embeds)
     before = category_mass(before, labels).set_axis(layers).stack()

@@ -32,6 +32,7 @@ from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import check_layers, frozen_parameters, hf_model
 from probe.faithfulness import answer_scores, lds, random_masks
 from probe.objectives import critical_tokens
+from probe.planner import guarded
 from probe.results import read_json, write_json
 from probe.tasks import Sample
 
@@ -129,10 +130,18 @@ def options(name: str) -> list[str]:
     return list(inspect.signature(_REGISTRY[name]).parameters)[3:]
 
 
-def detect(name: str, model, tokenizer, sample: Sample, **options) -> Detection:
-    """Run detector ``name`` on ``sample``; ``options`` go to the detector (see its docstring)."""
+def detect(
+    name: str, model, tokenizer, sample: Sample | Sequence[Sample], **options
+) -> Detection | list[Detection]:
+    """Run detector ``name`` on ``sample``; ``options`` go to the detector (see its docstring).
+
+    Several samples: one :class:`Detection` each, the attention family from one batched pass
+    (:func:`detect_many`).
+    """
     if name not in _REGISTRY:
         raise ValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
+    if not isinstance(sample, Sample):
+        return [found[name] for found in detect_many([name], model, tokenizer, sample, {name: options})]
     return _REGISTRY[name](model, tokenizer, sample, **options)
 
 
@@ -143,9 +152,10 @@ def detect_many(
     names: Sequence[str],
     model,
     tokenizer,
-    sample: Sample,
+    sample: Sample | Sequence[Sample],
     options: Mapping[str, Mapping[str, Any]] | None = None,
-) -> dict[str, Detection]:
+    checkpoint: bool | str = "auto",
+) -> dict[str, Detection] | list[dict[str, Detection]]:
     """Run every detector in ``names`` on ``sample``, ``options[name]`` going to detector ``name``.
 
     Returns name → :class:`Detection`, in the order of ``names``: the same detections as
@@ -153,32 +163,43 @@ def detect_many(
     holds at least one of ``attention``, ``fr`` and ``information_flow``, the attention family
     (:data:`SHARED_PASS`, ``embedding_grad`` included) is computed from one
     :func:`probe.attribution.answer_attribution` forward+backward pass over the union of their
-    layers instead of one pass each. The other detectors run as usual.
+    layers instead of one pass each (``checkpoint``: that pass's, see
+    :func:`~probe.attribution.answer_attribution`). The other detectors run as usual.
+
+    Several samples: one such dict per sample; the shared pass then runs once for all of them
+    (:mod:`probe.batch`), the other detectors sample by sample.
     """
+    single = isinstance(sample, Sample)
+    samples = [sample] if single else list(sample)
     options = dict(options or {})
     unknown = [name for name in [*names, *options] if name not in _REGISTRY]
     if unknown:
         raise ValueError(f"unknown detectors {unknown}; registered detectors: {', '.join(_REGISTRY)}")
     shared = {name: _settings(name, model, options.get(name, {})) for name in names if name in SHARED_PASS}
     layers = sorted({layer for settings in shared.values() for layer in settings.get("layers", ())})
-    attribution = (
-        answer_attribution(model, sample.input_ids, sample.target_positions, layers) if layers else None
-    )
-    found = {}
-    for name in names:
-        if attribution is not None and name in shared:
-            detection = _from_attribution(name, attribution, sample, shared[name])
-            found[name] = dataclasses.replace(detection, name=name)
-        else:
-            found[name] = detect(name, model, tokenizer, sample, **options.get(name, {}))
-    return found
+    attributions = [None] * len(samples)
+    if layers:
+        ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
+        attributions = answer_attribution(model, ids, targets, layers, checkpoint)
+    found = []
+    for one, attribution in zip(samples, attributions, strict=True):
+        detections = {}
+        for name in names:
+            if attribution is not None and name in shared:
+                detection = _from_attribution(name, attribution, one, shared[name])
+                detections[name] = dataclasses.replace(detection, name=name)
+            else:
+                detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}))
+        found.append(detections)
+    return found[0] if single else found
 
 
 def _settings(name: str, model, options: Mapping[str, Any]) -> dict[str, Any]:
-    """Every option of detector ``name`` (``options`` over its defaults; ``layers`` checked)."""
+    """Every option of detector ``name`` (``options`` over its defaults; ``layers`` checked), but
+    ``checkpoint``: how a pass runs, not what it computes."""
     bound = inspect.signature(_REGISTRY[name]).bind(model, None, None, **options)
     bound.apply_defaults()
-    settings = {key: bound.arguments[key] for key in list(bound.arguments)[3:]}
+    settings = {key: bound.arguments[key] for key in list(bound.arguments)[3:] if key != "checkpoint"}
     if "layers" in settings:
         settings["layers"] = check_layers(model, settings["layers"])
     return settings
@@ -249,9 +270,12 @@ def _fact_retrieval_from(pattern: torch.Tensor, sample: Sample, layers: list[int
 
 
 @register("embedding_grad")
-def embedding_grad(model, tokenizer, sample: Sample, p: float = 2) -> Detection:
-    """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean."""
-    scores = embedding_grad_norms(model, sample.input_ids, sample.target_positions, p=p)
+def embedding_grad(
+    model, tokenizer, sample: Sample, p: float = 2, checkpoint: bool | str = "auto"
+) -> Detection:
+    """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean.
+    ``checkpoint``: see :mod:`probe.attribution`."""
+    scores = embedding_grad_norms(model, sample.input_ids, sample.target_positions, p, checkpoint)
     return _embedding_grad_from(scores, sample, p)
 
 
@@ -262,14 +286,23 @@ def _embedding_grad_from(scores: torch.Tensor, sample: Sample, p: float) -> Dete
 
 @register("information_flow")
 def information_flow(
-    model, tokenizer, sample: Sample, layers=None, reduce: str = "sum_then_abs", top_k: int = 30
+    model,
+    tokenizer,
+    sample: Sample,
+    layers=None,
+    reduce: str = "sum_then_abs",
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
 ) -> Detection:
     """The IG / information-flow score (CDT eq. 1) from the answer rows, summed over ``layers``.
 
     ``details["per_layer"]`` [layers, seq] keeps each layer's score. Flags the ``top_k`` tokens.
+    ``checkpoint``: see :mod:`probe.attribution`.
     """
     layers = check_layers(model, layers)
-    per_layer = information_flow_per_layer(model, sample.input_ids, sample.target_positions, layers, reduce)
+    per_layer = information_flow_per_layer(
+        model, sample.input_ids, sample.target_positions, layers, reduce, checkpoint
+    )
     return _information_flow_from(per_layer, sample, layers, reduce, top_k)
 
 
@@ -301,7 +334,13 @@ def _from_attribution(
 
 @register("integrated_gradients")
 def integrated_gradients(
-    model, tokenizer, sample: Sample, n_steps: int = 16, internal_batch_size: int = 4, top_k: int = 30
+    model,
+    tokenizer,
+    sample: Sample,
+    n_steps: int = 16,
+    internal_batch_size: int = 4,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
 ) -> Detection:
     """captum ``LayerIntegratedGradients`` on the embedding layer.
 
@@ -309,7 +348,8 @@ def integrated_gradients(
     baseline puts the pad token's embedding (EOS if there is none) at every position. A token's
     score is |Σ_d attribution| (``details["signed"]`` keeps the sign).
     ``details["convergence_delta"]`` is captum's completeness gap |Σ attributions − (f(x) − f(baseline))|:
-    read it before trusting the scores (long inputs and few steps make it large).
+    read it before trusting the scores (long inputs and few steps make it large). ``checkpoint``:
+    see :mod:`probe.attribution` (planned per batch of ``internal_batch_size`` interpolated inputs).
     """
     from captum.attr import LayerIntegratedGradients
 
@@ -323,7 +363,11 @@ def integrated_gradients(
         answer = sample.input_ids[targets].expand(len(batch_ids), -1)  # fixed: the baseline's ids are pads
         return logits.log_softmax(-1).gather(-1, answer[..., None]).squeeze(-1).mean(-1)
 
-    with frozen_parameters(inner):
+    batch = min(internal_batch_size, n_steps)
+    with (
+        guarded(model, ids.shape[1], "embedding_grads", checkpoint, len(targets), batch),
+        frozen_parameters(inner),
+    ):
         method = LayerIntegratedGradients(answer_log_prob, inner.get_input_embeddings())
         attributions, delta = method.attribute(
             ids,

@@ -24,6 +24,7 @@ from probe.attribution import embedding_grads
 from probe.capture import check_input_ids, check_positions, hf_model, target_loss
 from probe.logprobs import final_hidden_states, short_logprobs, target_logprobs
 from probe.lsd import soft_influence
+from probe.planner import guarded
 
 __all__ = [
     "CDTLoss",
@@ -157,6 +158,7 @@ def cdt_loss(
     lr: float,
     beta: float = 5.0,
     context: int | None = None,
+    checkpoint: bool | str = "auto",
 ) -> CDTLoss:
     """One online CDT step's loss (seed 002, §4, eqs. 1–3) for one sequence.
 
@@ -171,15 +173,20 @@ def cdt_loss(
     The shift lr·β·∇E is a constant (no second-order gradient); E itself keeps its graph, so the
     embedding table trains as in plain fine-tuning ("we unfreeze the model"). Parameter flags and
     train/eval mode are left as they were (step 1 runs in eval mode, step 4 in the model's mode).
+
+    ``checkpoint`` (``False | True | "auto"``, see :mod:`probe.attribution`) applies to both
+    passes: with it, step 4's decoder layers are recomputed when the returned loss is
+    back-propagated, and the gradients are the same.
     """
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", minimum=1).to(ids.device)
-    grads = embedding_grads(model, ids, targets)
-    norms = grads.norm(dim=-1)
-    critical, move = critical_tokens(norms, context), noise_tokens(norms, context)
-    embeds = hf_model(model).get_input_embeddings()(ids)[0]
-    denoised = denoised_embeddings(embeds, grads, move, lr, beta)
-    loss = target_loss(model, ids, targets, inputs_embeds=denoised[None])
+    with guarded(model, ids.shape[1], "embedding_grads", checkpoint, len(targets)) as checkpointing:
+        grads = embedding_grads(model, ids, targets, checkpoint=checkpointing)
+        norms = grads.norm(dim=-1)
+        critical, move = critical_tokens(norms, context), noise_tokens(norms, context)
+        embeds = hf_model(model).get_input_embeddings()(ids)[0]
+        denoised = denoised_embeddings(embeds, grads, move, lr, beta)
+        loss = target_loss(model, ids, targets, inputs_embeds=denoised[None])
     return CDTLoss(loss, critical, (denoised - embeds).detach())
 
 

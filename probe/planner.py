@@ -75,11 +75,15 @@ import ctypes
 import ctypes.util
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PretrainedConfig
+
+from probe.capture import checkpointed, hf_model, masks_active
 
 __all__ = [
     "PROBES",
@@ -89,6 +93,7 @@ __all__ = [
     "available_memory",
     "compact_heap",
     "guard",
+    "guarded",
     "plan",
 ]
 
@@ -136,16 +141,12 @@ class Shapes:
     @classmethod
     def of(cls, model) -> Shapes:
         """Shapes of a loaded Hugging Face model, or of a config (norms then inferred from its type)."""
-        from transformers import PretrainedConfig
-
         if isinstance(model, PretrainedConfig):
             config, inner = model.get_text_config(), None
             dtype = getattr(config, "dtype", None) or torch.float32
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
             device = "cpu"
         else:
-            from probe.capture import hf_model
-
             inner = hf_model(model)
             config = inner.config.get_text_config()
             dtype = next(inner.parameters()).dtype
@@ -499,6 +500,27 @@ def guard(
     return resolved
 
 
+@contextmanager
+def guarded(
+    model,
+    seq_len: int,
+    probe: str,
+    checkpoint: bool | str = "auto",
+    rows: int = 16,
+    batch: int = 1,
+    layers: Sequence[int] | None = None,
+) -> Iterator[bool]:
+    """The block a probe runs its pass in: :func:`guard` (with the key masks and windows active
+    here), then :func:`probe.capture.checkpointed` if the resolved flag is set. Yields the flag.
+
+    Raises :class:`MemoryError` with the plan's numbers before anything is allocated when the
+    call cannot fit the free memory.
+    """
+    resolved = guard(model, seq_len, probe, checkpoint, rows, batch, layers, masked=masks_active())
+    with checkpointed(model, enabled=resolved):
+        yield resolved
+
+
 def _available(model, available_bytes: int | None) -> int | None:
     if available_bytes is not None:
         return available_bytes
@@ -507,13 +529,7 @@ def _available(model, available_bytes: int | None) -> int | None:
 
 
 def _device_of(model) -> str:
-    from transformers import PretrainedConfig
-
-    if isinstance(model, PretrainedConfig):
-        return "cpu"
-    from probe.capture import hf_model
-
-    return str(hf_model(model).device)
+    return "cpu" if isinstance(model, PretrainedConfig) else str(hf_model(model).device)
 
 
 def available_memory(device: str | torch.device = "cpu") -> int | None:

@@ -1,11 +1,31 @@
 """Shared fixtures: tiny random models for exactness tests, cached real models for the few real checks."""
 
+import os
+
 import pytest
 import torch
 
 import probe
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))  # 1 beside a running benchmark
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="device the tests' models and tensors are created on (e.g. cuda); default cpu, as in CI",
+    )
+
+
+def pytest_configure(config):
+    """``--device cuda``: every model and tensor the tests create lands on the GPU
+    (``torch.set_default_device``), so the same exactness tests run there."""
+    device = config.getoption("--device")
+    if device != "cpu":
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise pytest.UsageError(f"--device {device}: no CUDA device is available here")
+        torch.set_default_device(device)
 
 
 @pytest.fixture(params=["llama", "gemma3"])
