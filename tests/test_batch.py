@@ -27,16 +27,20 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     assert (a - b).abs().max() <= TOLERANCE * max(1.0, float(b.abs().max())), (a - b).abs().max()
 
 
+def _rows(model, ids, targets, **kw):
+    """attention_rows of the rows predicting ``targets`` (t − 1), one list per sequence for a batch."""
+    several = is_batch(ids, kw.get("attention_mask"))
+    rows = [torch.as_tensor(t) - 1 for t in targets] if several else torch.as_tensor(targets) - 1
+    return probe.attention_rows(model, ids, rows, **kw)
+
+
 PROBES = {
-    "information_flow": lambda model, ids, targets, **kw: probe.information_flow(model, ids, targets, **kw),
-    "embedding_grads": lambda model, ids, targets, **kw: probe.embedding_grads(model, ids, targets, **kw),
-    "embedding_grad_norms": lambda model, ids, targets, **kw: probe.embedding_grad_norms(model, ids, targets, **kw),
-    "attention_rows": lambda model, ids, targets, **kw: probe.attention_rows(
-        model, ids, [torch.as_tensor(t) - 1 for t in targets] if is_batch(ids, kw.get("attention_mask")) else
-        torch.as_tensor(targets) - 1, **kw
-    ),
-    "answer_attribution": lambda model, ids, targets, **kw: _flatten(probe.answer_attribution(model, ids, targets, **kw)),
-}  # fmt: skip
+    "information_flow": probe.information_flow,
+    "embedding_grads": probe.embedding_grads,
+    "embedding_grad_norms": probe.embedding_grad_norms,
+    "attention_rows": _rows,
+    "answer_attribution": lambda *args, **kw: _flatten(probe.answer_attribution(*args, **kw)),
+}
 
 
 def _flatten(found):
@@ -94,10 +98,11 @@ def test_bad_batches_say_what_is_wrong(tiny):
     with pytest.raises(IndexError, match=r"target_positions of sequence 1 \[25\] out of range"):
         probe.information_flow(tiny, ids, [targets[0], [25], targets[2]])
     holes = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])
+    ones = torch.ones(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="one contiguous run of tokens"):
-        probe.information_flow(tiny, torch.ones(2, 4, dtype=torch.long), [[1], [2]], attention_mask=holes)
+        probe.information_flow(tiny, ones, [[1], [2]], attention_mask=holes)
     with pytest.raises(ValueError, match="must have the shape of input_ids"):
-        probe.information_flow(tiny, torch.ones(2, 4, dtype=torch.long), [[1], [2]], attention_mask=holes[:, :3])
+        probe.information_flow(tiny, ones, [[1], [2]], attention_mask=holes[:, :3])
     with pytest.raises(ValueError, match="inputs_embeds replaces the embeddings of one sequence"):
         probe.embedding_grads(tiny, ids, targets, inputs_embeds=torch.zeros(40, 32))
     assert batch_of(tiny, ids, targets).input_ids.shape == (3, max(LENGTHS))

@@ -38,8 +38,8 @@ def _detector(name, **options):
 
 
 def _shared_pass(model, tokenizer, sample, checkpoint):
-    found = detectors.detect_many(["attention", "information_flow", "embedding_grad"], model, tokenizer, sample,
-                                  checkpoint=checkpoint)  # fmt: skip
+    names = ["attention", "information_flow", "embedding_grad"]
+    found = detectors.detect_many(names, model, tokenizer, sample, checkpoint=checkpoint)
     return [detection.scores for detection in found.values()]
 
 
