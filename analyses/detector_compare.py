@@ -116,10 +116,10 @@ def source_scorers(
     return scores
 
 
-def compare_sample(
+def compare_samples(
     model,
     tokenizer,
-    sample: tasks.Sample,
+    samples: list[tasks.Sample],
     names: list[str],
     top_k: int,
     max_new_tokens: int,
@@ -127,35 +127,41 @@ def compare_sample(
     source_reduce: str = "mean",
     n_masks: int = 32,
     seed: int = 0,
+    batch_size: int = 1,
 ) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
-    """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on one sample.
+    """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on ``samples``.
 
-    ``options[name]`` go to detector ``name``; faithfulness as :func:`judge_faithfulness`.
+    ``options[name]`` go to detector ``name``; the attention family of all ``samples`` comes from one
+    batched pass (:func:`probe.detectors.detect_many`); faithfulness as :func:`judge_faithfulness`,
+    ``batch_size`` masked passes at a time.
     """
-    generated = answer(model, tokenizer, sample, max_new_tokens)
-    about = {
-        "task": sample.task,
-        "seed": sample.seed,
-        "generated": generated,
-        "correct": bool(sample.score(generated)),
-    }
-    found = detectors.detect_many(names, model, tokenizer, sample, options)
-    rows, layers = [], []
-    for name, detection in found.items():
-        rows.append(
-            {
-                "detector": name,
-                **about,
-                **metrics.evaluate(detection, sample, top_k),
-                **_diagnostics(detection),
-            }
-        )
-        if name in ("attention", "information_flow"):
-            layers.append(
-                layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
+    rows, layers, faithful = [], [], []
+    for sample, found in zip(
+        samples, detectors.detect_many(names, model, tokenizer, samples, options), strict=True
+    ):
+        generated = answer(model, tokenizer, sample, max_new_tokens)
+        about = {
+            "task": sample.task,
+            "seed": sample.seed,
+            "generated": generated,
+            "correct": bool(sample.score(generated)),
+        }
+        for name, detection in found.items():
+            rows.append(
+                {
+                    "detector": name,
+                    **about,
+                    **metrics.evaluate(detection, sample, top_k),
+                    **_diagnostics(detection),
+                }
             )
-    faithful = judge_faithfulness(model, sample, found, source_reduce, n_masks, seed)
-    return rows, layers, faithful.assign(**about)
+            if name in ("attention", "information_flow"):
+                layers.append(
+                    layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
+                )
+        judged = judge_faithfulness(model, sample, found, source_reduce, n_masks, seed, batch_size)
+        faithful.append(judged.assign(**about))
+    return rows, layers, pd.concat(faithful, ignore_index=True)
 
 
 def judge_faithfulness(
@@ -165,11 +171,14 @@ def judge_faithfulness(
     source_reduce: str = "mean",
     n_masks: int = 32,
     seed: int = 0,
+    batch_size: int = 1,
 ) -> pd.DataFrame:
     """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
     ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``)."""
     scorers = source_scorers(found, sample, source_reduce)
-    faithful = faithfulness.evaluate(model, sample, scorers, ks=faithfulness.KS, n_masks=n_masks, seed=seed)
+    faithful = faithfulness.evaluate(
+        model, sample, scorers, ks=faithfulness.KS, n_masks=n_masks, seed=seed, batch_size=batch_size
+    )
     faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
     return faithful.assign(source_reduce=source_reduce, n_masks=n_masks)
 
@@ -368,8 +377,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--masks", type=int, default=32, help="random source masks per sample for LDS")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="first sample's seed; seed of the LDS masks")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=4,
+        help="samples per detector pass and masked passes per forward (default 4: leave-one-out's 45 "
+        "masked passes at 1K took 66 s in batches of 4 against 79 s one by one on 2 CPU cores, "
+        "bench/results/ablation_speed.csv; more on a GPU)",
+    )
     parser.add_argument("--out", type=Path, default=Path("figures"))
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be at least 1")
     if args.samples < 1:
         parser.error("--samples must be at least 1")
     if args.masks < 2:
@@ -394,12 +413,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     options |= {name: {"top_k": args.top_k} for name in args.detectors if "top_k" in detectors.options(name)}
     rows, layers, faithful = [], [], []
     jobs = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
-    for task, seed in tqdm(jobs, desc=f"detector_compare {args.model}"):
-        sample = tasks.make(task, tokenizer, args.length, seed=seed)
-        sample_rows, sample_layers, sample_faithful = compare_sample(
+    chunks = [jobs[i : i + args.batch_size] for i in range(0, len(jobs), args.batch_size)]
+    for chunk in tqdm(chunks, desc=f"detector_compare {args.model}", unit="batch"):
+        samples = [tasks.make(task, tokenizer, args.length, seed=seed) for task, seed in chunk]
+        chunk_rows, chunk_layers, chunk_faithful = compare_samples(
             model,
             tokenizer,
-            sample,
+            samples,
             args.detectors,
             args.top_k,
             args.max_new_tokens,
@@ -407,10 +427,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             source_reduce=args.source_reduce,
             n_masks=args.masks,
             seed=args.seed,
+            batch_size=args.batch_size,
         )
-        rows += sample_rows
-        layers += sample_layers
-        faithful.append(sample_faithful)
+        rows += chunk_rows
+        layers += chunk_layers
+        faithful.append(chunk_faithful)
 
     settings = {"model": args.model, "length": args.length}
     table = pd.DataFrame(rows).assign(**settings)
