@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.capture import check_input_ids, check_positions, hf_model
+from probe.capture import check_input_ids, check_integers, check_positions, hf_model
 
 
 def is_batch(input_ids, attention_mask: torch.Tensor | None = None) -> bool:
@@ -77,8 +77,9 @@ def batch_of(
     checked, shifted = [], []
     for b, (ids, where, offset) in enumerate(zip(sequences, positions, offsets, strict=True)):
         ids = check_input_ids(model, ids)[0]
-        where = torch.as_tensor(where, dtype=torch.long).reshape(-1) - offset
         label = what if len(sequences) == 1 else f"{what} of sequence {b}"
+        check_integers(where, label)
+        where = torch.as_tensor(where, dtype=torch.long).reshape(-1) - offset
         label += f" (less its {offset} padding tokens)" if offset else ""
         checked.append(ids)
         shifted.append(check_positions(where, len(ids), label, minimum))

@@ -244,6 +244,9 @@ def check_layers(model, layers: Sequence[int] | None) -> list[int]:
     """``layers`` (``None`` = all; negative indices allowed) as non-negative indices, range-checked."""
     total = n_layers(model)
     layers = list(range(total)) if layers is None else list(layers)
+    if not layers:
+        raise ValueError("layers is empty: pass None for all layers, or at least one layer index")
+    check_integers(layers, "layers")
     bad = [layer for layer in layers if not -total <= layer < total]
     if bad:
         raise IndexError(f"layers {bad} out of range for a {total}-layer model")
@@ -252,6 +255,7 @@ def check_layers(model, layers: Sequence[int] | None) -> list[int]:
 
 def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """``input_ids`` as a LongTensor[1, seq], checked against the model's context length."""
+    check_integers(input_ids, "input_ids")
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.ndim == 1:
         ids = ids[None]
@@ -265,13 +269,28 @@ def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Ten
             f"sequence of {ids.shape[1]} tokens is longer than the model's context of {context} tokens; "
             "truncate the input or use a model with a longer context"
         )
+    vocab = hf_model(model).get_input_embeddings().num_embeddings
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        bad = ids[(ids < 0) | (ids >= vocab)].unique()[:5].tolist()
+        raise IndexError(
+            f"token ids {bad} are outside the model's vocabulary of {vocab} ids: the tokenizer probably "
+            "does not belong to this model; load both together (probe.load_model returns the pair)"
+        )
     return ids.to(hf_model(model).device)
+
+
+def check_integers(values, what: str) -> None:
+    """Refuse fractional values (``3.5`` would silently become ``3``)."""
+    values = torch.as_tensor(values) if not isinstance(values, torch.Tensor) else values
+    if values.is_floating_point() and not bool((values == values.round()).all()):
+        raise TypeError(f"{what} must be integers, got {values.reshape(-1)[:8].tolist()}")
 
 
 def check_positions(
     positions: Sequence[int] | torch.Tensor, seq: int, what: str, minimum: int = 0
 ) -> torch.Tensor:
     """Positions as a sorted-as-given LongTensor[k], each in ``[minimum, seq)``, no repeats."""
+    check_integers(positions, what)
     pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
     if pos.numel() == 0:
         raise ValueError(f"{what} is empty; give at least one position")

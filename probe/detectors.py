@@ -83,7 +83,7 @@ class Detection:
     @classmethod
     def load(cls, path: str | Path) -> Detection:
         """The detection :meth:`save` wrote."""
-        record = read_json(path)
+        record = read_json(path, "Detection", ("scores", "flagged", "settings", "details"))
         return cls(
             name=record.get("name"),
             scores=torch.tensor(record["scores"]),

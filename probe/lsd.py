@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +177,7 @@ class KeyTokens:
 
     @classmethod
     def load(cls, path: str | Path) -> KeyTokens:
-        record = read_json(path)
+        record = read_json(path, "KeyTokens", ("text", "input_ids", "offsets", "lsd", "lcl", "key", "soft"))
         return cls(
             text=record["text"],
             input_ids=torch.tensor(record["input_ids"], dtype=torch.long),
@@ -304,7 +304,7 @@ class LongPPLResult:
 
     @classmethod
     def load(cls, path: str | Path) -> LongPPLResult:
-        record = read_json(path)
+        record = read_json(path, "LongPPLResult", [f.name for f in fields(cls)])
         return cls(**record | {"key_spans": [tuple(span) for span in record["key_spans"]]})
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,5 +48,21 @@ def write_json(path: str | Path, record: Any) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(json.dumps(record)))
 
 
-def read_json(path: str | Path) -> Any:
-    return json.loads(Path(path).read_text())
+def read_json(path: str | Path, what: str, keys: Sequence[str] = ()) -> Any:
+    """The JSON record at ``path``, checked to be a ``what`` file: a JSON object holding ``keys``.
+
+    A file that is not JSON, or lacks the keys, raises a :class:`ValueError` that says what was
+    expected instead of a raw decoding or key error.
+    """
+    expected = f"expected a file written by {what}.save()"
+    try:
+        record = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a {what} file: it is not JSON ({error}); {expected}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} is not a {what} file: it holds a JSON {type(record).__name__}; {expected}")
+    missing = sorted(set(keys) - set(record))
+    if missing:
+        has = sorted(record)[:8]
+        raise ValueError(f"{path} is not a {what} file: it lacks {missing} (has {has}); {expected}")
+    return record

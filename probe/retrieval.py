@@ -140,13 +140,19 @@ class RetrievalScores:
     def load(cls, path: str | Path) -> RetrievalScores:
         """Read a file :meth:`save` wrote, or one in Wu et al.'s layout (:meth:`to_json`, ours or a
         published one: no trials, no argmax, every listed trial counts)."""
-        record = read_json(path)
+        record = read_json(path, "RetrievalScores")
         if "scores" in record:
             return cls(
                 torch.tensor(record["scores"]),
                 pd.DataFrame.from_dict(record["trials"], orient="tight"),
                 record["settings"],
                 [torch.tensor(argmax, dtype=torch.long) for argmax in record["argmax"]],
+            )
+        if not record or not all(re.fullmatch(r"\d+-\d+", key) for key in record):
+            raise ValueError(
+                f"{path} is not a RetrievalScores file: expected 'scores', 'trials' and 'settings' "
+                "(RetrievalScores.save()) or Wu et al.'s layout, 'layer-head' keys such as '12-3', "
+                f"got keys {sorted(record)[:8]}"
             )
         keys = [tuple(map(int, key.split("-"))) for key in record]
         layers, heads = max(k[0] for k in keys) + 1, max(k[1] for k in keys) + 1
