@@ -9,9 +9,11 @@ Nothing here ever reaches the Hugging Face hub.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from filelock import FileLock  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -79,32 +82,92 @@ def cache_dir() -> Path:
 
 
 def converted_folder(name: str) -> Path:
-    """The safetensors folder a named real model is converted to (created on first load)."""
+    """The safetensors folder a named real model is converted to (created on first load).
+
+    Safe for any number of processes loading at once: the conversion runs under a file lock
+    (``models/.{name}.lock``) by one process while the others wait, and the finished folder appears
+    by one rename, so a reader never sees it half-written or half-replaced. A folder whose
+    safetensors files are truncated or whose conversion never finished is rebuilt, with a warning.
+    The folder and its files are readable by the group (shared caches on clusters).
+    """
     folder = cache_dir() / "models" / name
-    if not (folder / "config.json").exists():
-        _convert_gguf(REAL_MODELS[name], folder)
+    if _damage(folder) is None:
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(folder.parent / f".{name}.lock"):
+        damage = _damage(folder)  # another process may have converted it while this one waited
+        if damage is not None:
+            if damage != "missing":
+                warnings.warn(f"{folder} is damaged ({damage}); converting {name} again", stacklevel=2)
+            _convert_gguf(REAL_MODELS[name], folder)
     return folder
 
 
+def _damage(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete conversion (``None`` if it is): missing, without config or
+    weights, or a safetensors file shorter than its header says (a truncated copy). A conversion
+    appears by one rename once fully written, so these are damage done after it (or a foreign folder).
+    """
+    if not folder.exists():
+        return "missing"
+    weights = sorted(folder.glob("*.safetensors"))
+    if not (folder / "config.json").exists() or not weights:
+        return "no config.json or no safetensors weights"
+    for path in weights:
+        with path.open("rb") as f:
+            header = f.read(8)
+            size = int.from_bytes(header, "little") if len(header) == 8 else -1
+            try:
+                tensors = json.loads(f.read(size)) if size > 0 else {}
+            except (ValueError, UnicodeDecodeError):
+                return f"{path.name} has a broken header"
+        end = max((t["data_offsets"][1] for k, t in tensors.items() if k != "__metadata__"), default=0)
+        if size < 0 or path.stat().st_size < 8 + size + end:
+            return f"{path.name} is truncated"
+    return None
+
+
 def _convert_gguf(spec: GGUFModel, folder: Path) -> None:
-    """De-quantize ``spec``'s GGUF once and save it as fp32 safetensors (atomically: temp dir, rename)."""
+    """De-quantize ``spec``'s GGUF once and save it as fp32 safetensors in ``folder``."""
+    _publish(*_dequantize(spec), folder)
+
+
+def _dequantize(spec: GGUFModel) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The fp32 model and the tokenizer of ``spec``'s GGUF file."""
     gguf = spec.gguf_path()
-    folder.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=folder.parent))
+    return model, tokenizer
+
+
+def _publish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Save into a temporary folder beside ``folder``, then rename it into place; a damaged
+    ``folder`` is first moved aside, so readers find either nothing or the whole folder."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    aside = folder.with_name(f".{folder.name}-damaged-{os.getpid()}")
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if folder.exists():  # a half-written folder from an interrupted run
-            shutil.rmtree(folder)
+        _share_with_group(tmp)
+        if folder.exists():
+            folder.rename(aside)
         tmp.rename(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _share_with_group(folder: Path) -> None:
+    """Give the group read access (``mkdtemp`` makes a folder private to its owner)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod((0o775 & ~umask) | 0o050)
+    for path in folder.rglob("*"):
+        path.chmod(((0o775 if path.is_dir() else 0o664) & ~umask) | (0o050 if path.is_dir() else 0o040))
 
 
 def load_model(
