@@ -24,6 +24,8 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
 - ``detector_{tag}_faithfulness``: deletion curves (log-prob drop of the gold answer vs the number
   of top sources removed) per detector, references dashed, correct vs wrong answers; the CSV has
   every faithfulness metric per sample and scorer;
+- ``detector_{tag}_view_{detector}.html``: each detector's token view of the first sample
+  (:mod:`probe.views`; self-contained, opens offline);
 - ``detector_{tag}_ranks.{csv,md}``: each detector's plausibility rank (mean AUROC) beside its
   faithfulness ranks (mean AOPC of comprehensiveness, mean LDS), correct / wrong / all answers.
 
@@ -128,17 +130,20 @@ def compare_samples(
     n_masks: int = 32,
     seed: int = 0,
     batch_size: int = 1,
+    pages: Path | None = None,
 ) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
     """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on ``samples``.
 
     ``options[name]`` go to detector ``name``; the attention family of all ``samples`` comes from one
     batched pass (:func:`probe.detectors.detect_many`); faithfulness as :func:`judge_faithfulness`,
-    ``batch_size`` masked passes at a time.
+    ``batch_size`` masked passes at a time. ``pages``: write each detector's token view of the first
+    sample there (``{pages}_{name}.html``).
     """
     rows, layers, faithful = [], [], []
-    for sample, found in zip(
-        samples, detectors.detect_many(names, model, tokenizer, samples, options), strict=True
-    ):
+    found_all = detectors.detect_many(names, model, tokenizer, samples, options)
+    for name, detection in found_all[0].items() if pages is not None else ():
+        detection.save_html(pages.with_name(f"{pages.name}_{name}.html"))
+    for sample, found in zip(samples, found_all, strict=True):
         generated = answer(model, tokenizer, sample, max_new_tokens)
         about = {
             "task": sample.task,
@@ -414,6 +419,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows, layers, faithful = [], [], []
     jobs = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     chunks = [jobs[i : i + args.batch_size] for i in range(0, len(jobs), args.batch_size)]
+    tag = f"{Path(args.model).name}-{args.length}"
     for chunk in tqdm(chunks, desc=f"detector_compare {args.model}", unit="batch"):
         samples = [tasks.make(task, tokenizer, args.length, seed=seed) for task, seed in chunk]
         chunk_rows, chunk_layers, chunk_faithful = compare_samples(
@@ -428,6 +434,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             n_masks=args.masks,
             seed=args.seed,
             batch_size=args.batch_size,
+            pages=args.out / f"detector_{tag}_view" if not rows else None,
         )
         rows += chunk_rows
         layers += chunk_layers
@@ -436,7 +443,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     settings = {"model": args.model, "length": args.length}
     table = pd.DataFrame(rows).assign(**settings)
     faithful = pd.concat(faithful, ignore_index=True).assign(**settings)
-    tag = f"{Path(args.model).name}-{args.length}"
     atomic_write(args.out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
     fig, shares = plot_categories(table)
     save_figure(fig, shares, args.out, f"detector_{tag}_categories")

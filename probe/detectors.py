@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from probe import views
 from probe.attribution import AnswerAttribution, answer_attribution, attention_rows, embedding_grad_norms
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import check_layers, frozen_parameters, hf_model
@@ -45,7 +46,8 @@ class Detection:
     detector's own rule. ``details``: extra tensors (e.g. ``per_layer`` [layers, seq],
     ``per_head`` [layers, heads, seq]) and diagnostics (``convergence_delta``).
     ``settings``: every option that produced the result. ``name``: the registered detector's name,
-    set by the registry (``None`` for a detection built by hand).
+    set by the registry (``None`` for a detection built by hand). ``sample``: the sample it was
+    found on (set by the registry; not saved), which :meth:`show` draws.
     """
 
     scores: torch.Tensor
@@ -53,6 +55,26 @@ class Detection:
     settings: dict[str, Any]
     details: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
+    sample: Sample | None = field(default=None, repr=False, compare=False)
+
+    def _view(self, sample: Sample | None) -> str:
+        sample = sample if sample is not None else self.sample
+        if sample is None:
+            raise ValueError("this detection carries no sample (loaded from a file?): pass show(sample=...)")
+        return views.token_view(sample, self.scores, f"{self.name or 'detection'} scores")
+
+    def show(self, sample: Sample | None = None):
+        """The token view (:func:`probe.views.token_view`) in a notebook: each token shaded by its score."""
+        from IPython.display import HTML
+
+        return HTML(self._view(sample))
+
+    def _repr_html_(self) -> str | None:
+        return None if self.sample is None else self._view(None)
+
+    def save_html(self, path: str | Path, sample: Sample | None = None) -> Path:
+        """The token view as a self-contained HTML page, written atomically."""
+        return views.save_html(path, self._view(sample), f"longprobe: {self.name or 'detection'}")
 
     def to_frame(self, tokenizer=None, sample: Sample | None = None) -> pd.DataFrame:
         """One row per token: position, score, flagged (and token text / category given a sample)."""
@@ -112,7 +134,7 @@ def register(name: str) -> Callable[[Detector], Detector]:
 
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
-            return dataclasses.replace(fn(model, tokenizer, sample, **options), name=name)
+            return dataclasses.replace(fn(model, tokenizer, sample, **options), name=name, sample=sample)
 
         _REGISTRY[name] = named
         return named
@@ -187,7 +209,7 @@ def detect_many(
         for name in names:
             if attribution is not None and name in shared:
                 detection = _from_attribution(name, attribution, one, shared[name])
-                detections[name] = dataclasses.replace(detection, name=name)
+                detections[name] = dataclasses.replace(detection, name=name, sample=one)
             else:
                 detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}))
         found.append(detections)

@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from probe import views
 from probe.capture import check_input_ids, frozen_parameters, hf_model, n_layers, trace
 from probe.results import read_json, write_json
 from probe.tasks import Sample
@@ -90,6 +91,21 @@ class RetrievalScores:
         """Tensor[layers, heads]: mean score over the counted trials (zeros if none counted)."""
         counted = self.scores[self.counted]
         return counted.mean(dim=0) if len(counted) else torch.zeros(self.scores.shape[1:])
+
+    def _repr_html_(self) -> str:
+        counted = int(self.counted.sum())
+        title = f"retrieval scores: mean over {counted} counted of {len(self.scores)} trials"
+        return views.heatmap(self.mean().numpy(), title)
+
+    def show(self):
+        """The [layers, heads] heatmap of :meth:`mean` in a notebook."""
+        from IPython.display import HTML
+
+        return HTML(self._repr_html_())
+
+    def save_html(self, path: str | Path) -> Path:
+        """The heatmap as a self-contained HTML page, written atomically."""
+        return views.save_html(path, self._repr_html_(), "longprobe: retrieval scores")
 
     def to_frame(self) -> pd.DataFrame:
         """One row per (layer, head): layer, head, score = :meth:`mean` (over the counted trials),

@@ -27,6 +27,9 @@ def test_detector_compare_writes_every_figure_and_csv(run):
         assert not pd.read_csv(out / f"detector_{tag}_{name}.csv").empty
     metrics = pd.read_csv(out / f"detector_{tag}_metrics.csv")
     assert set(metrics.detector) == set(detector_compare.QUICK_DETECTORS)
+    pages = sorted(out.glob(f"detector_{tag}_view_*.html"))  # one token view per detector, first sample
+    assert [p.stem.split("_view_")[1] for p in pages] == sorted(detector_compare.QUICK_DETECTORS)
+    assert all("longprobe-view" in p.read_text() for p in pages)
     assert len(metrics) == len(table) == 2 * len(detector_compare.QUICK_DETECTORS)  # 2 tasks × 1 sample
     assert metrics.auroc.between(0, 1).all()
     assert not list(out.glob(".*tmp*"))  # no half-written files left behind

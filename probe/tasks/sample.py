@@ -25,11 +25,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
+
+from probe import views
 
 CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "question", "answer")
 #: The categories of the context body: each of their spans is one :class:`Source`.
@@ -145,6 +148,19 @@ class Sample:
     def prompt_text(self) -> str:
         """The prompt alone as text (special tokens written out as in the template)."""
         return self.text[: self.char_spans["answer"][0][0]]
+
+    def show(self):
+        """The token view (:func:`probe.views.token_view`) in a notebook: spans outlined by category."""
+        from IPython.display import HTML
+
+        return HTML(self._repr_html_())
+
+    def _repr_html_(self) -> str:
+        return views.token_view(self, None, f"{self.task} sample")
+
+    def save_html(self, path: str | Path) -> Path:
+        """The token view as a self-contained HTML page, written atomically."""
+        return views.save_html(path, self._repr_html_(), f"longprobe: {self.task} sample")
 
     def span_text(self, category: str) -> list[str]:
         """The recorded text of each span of ``category`` (what each token span stands for)."""
@@ -386,9 +402,7 @@ def _token_span(text: str, offsets: np.ndarray, char_span: tuple[int, int]) -> t
         raise ValueError(f"no token covers characters {char_span}")
     start, end = int(overlaps[0]), int(overlaps[-1]) + 1
     first_char, last_char = offsets[start, 0], offsets[end - 1, 1]
-    leading_ok = first_char == char_start or (
-        first_char == char_start - 1 and text[first_char].isspace()
-    )
+    leading_ok = first_char == char_start or (first_char == char_start - 1 and text[first_char].isspace())
     if not leading_ok or last_char != char_end:
         raise ValueError(
             f"token boundaries do not align with span {text[char_start:char_end]!r} "
