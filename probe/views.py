@@ -66,9 +66,7 @@ def token_view(sample, scores: Sequence[float] | None = None, title: str = "") -
         category = str(categories[i])
         style = f"background: rgba(214, 39, 40, {shade[i]:.3f});" if shade is not None else ""
         if category in COLOURS and category != "answer":
-            style += (
-                f" box-shadow: inset 0 -3px 0 {COLOURS[category]}; outline: 1px solid {COLOURS[category]}40;"
-            )
+            style += f" box-shadow: inset 0 -3px 0 {COLOURS[category]};"
         value = "" if scores is None else f", score {float(np.asarray(scores)[i]):.4g}"
         classes = "tok answer" if i in answer else "tok"
         parts.append(
@@ -78,7 +76,7 @@ def token_view(sample, scores: Sequence[float] | None = None, title: str = "") -
     legend = "".join(
         f'<span style="box-shadow: inset 0 -3px 0 {colour}">{name}</span>'
         for name, colour in COLOURS.items()
-        if name in set(categories)
+        if name in set(categories) and name != "answer"
     )
     shading = "" if scores is None else "; red = higher score (min-max over the prompt)"
     meta = f"{sample.task}, seed {sample.seed}, {len(offsets)} tokens, gold answer {sample.answer!r}{shading}"
