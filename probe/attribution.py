@@ -23,6 +23,7 @@ from probe.capture import (
     check_layers,
     frozen_parameters,
     hf_model,
+    input_device,
     trace,
 )
 from probe.planner import guarded
@@ -91,7 +92,7 @@ def _model_inputs(model, ids: torch.Tensor, inputs_embeds: torch.Tensor | None) 
             f"inputs_embeds must have shape [seq, hidden] = [{ids.shape[1]}, {hidden}], "
             f"got {tuple(inputs_embeds.shape)}"
         )
-    return {"inputs_embeds": inputs_embeds[None].to(hf_model(model).device)}
+    return {"inputs_embeds": inputs_embeds[None].to(input_device(model))}
 
 
 @torch.no_grad()

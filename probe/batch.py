@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.capture import check_input_ids, check_integers, check_positions, hf_model
+from probe.capture import check_input_ids, check_integers, check_positions, hf_model, input_device
 
 
 def is_batch(input_ids, attention_mask: torch.Tensor | None = None) -> bool:
@@ -86,7 +86,7 @@ def batch_of(
     lengths = [len(ids) for ids in checked]
     padded = torch.stack([torch.cat([ids, ids[-1:].expand(max(lengths) - len(ids))]) for ids in checked])
     union = torch.cat(shifted).unique(sorted=True)
-    device = hf_model(model).device
+    device = input_device(model)
     return Batch(padded.to(device), lengths, [p.to(device) for p in shifted], union.to(device), offsets)
 
 

@@ -236,6 +236,20 @@ def hf_model(model) -> PreTrainedModel:
     return model
 
 
+def input_device(model) -> torch.device:
+    """Where ``model``'s inputs go: the execution device of accelerate's offload hooks
+    (``cpu_offload``, ``disk_offload``, a ``device_map`` with offloading), else the device of the
+    input embeddings (the first device of a model split over several), else the model's device."""
+    inner = hf_model(model)
+    embeddings = inner.get_input_embeddings()
+    for module in (inner, embeddings):
+        device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    device = embeddings.weight.device
+    return device if device.type != "meta" else inner.device
+
+
 def n_layers(model) -> int:
     return hf_model(model).config.get_text_config().num_hidden_layers
 
@@ -276,7 +290,7 @@ def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Ten
             f"token ids {bad} are outside the model's vocabulary of {vocab} ids: the tokenizer probably "
             "does not belong to this model; load both together (probe.load_model returns the pair)"
         )
-    return ids.to(hf_model(model).device)
+    return ids.to(input_device(model))
 
 
 def check_integers(values, what: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from probe.capture import hf_model
+from probe.capture import hf_model, input_device
 from probe.tasks import Sample
 
 
@@ -14,7 +14,7 @@ def answer(model, tokenizer, sample: Sample, max_new_tokens: int | None = None) 
     At most ``max_new_tokens`` new tokens (default: the gold answer's token count + 4).
     """
     inner = hf_model(model)
-    prompt = sample.prompt_ids[None].to(inner.device)
+    prompt = sample.prompt_ids[None].to(input_device(inner))
     with torch.inference_mode():
         generated = inner.generate(
             prompt,

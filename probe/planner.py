@@ -83,7 +83,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from probe.capture import checkpointed, hf_model, masks_active
+from probe.capture import checkpointed, hf_model, input_device, masks_active
 
 __all__ = [
     "PROBES",
@@ -150,7 +150,7 @@ class Shapes:
             inner = hf_model(model)
             config = inner.config.get_text_config()
             dtype = next(inner.parameters()).dtype
-            device = inner.device.type
+            device = input_device(inner).type  # offloaded weights live on "meta"; compute does not
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
@@ -529,7 +529,7 @@ def _available(model, available_bytes: int | None) -> int | None:
 
 
 def _device_of(model) -> str:
-    return "cpu" if isinstance(model, PretrainedConfig) else str(hf_model(model).device)
+    return "cpu" if isinstance(model, PretrainedConfig) else str(input_device(model))
 
 
 def available_memory(device: str | torch.device = "cpu") -> int | None:
