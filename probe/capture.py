@@ -326,20 +326,25 @@ def _mask_rows(
     kv_len: int,
     sliding_window: int | None,
     dtype: torch.dtype,
+    keys: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Additive mask [batch or 1, 1, rows, kv] for the given query rows.
+    """Additive mask [batch or 1, 1, rows, keys] for the given query rows (``rows``: a LongTensor or a
+    slice) and keys ``keys = (first, end)`` (default: all ``kv_len``).
 
     transformers passes a boolean (True = attend) or additive mask, or ``None`` when sdpa's
     own causal flag suffices; then queries are aligned to the end of the keys (as under a
     KV cache) and a sliding window, if any, keeps the last ``sliding_window`` keys.
     """
+    first, end = keys or (0, kv_len)
     if attention_mask is not None:
-        mask = attention_mask[:, :, rows, :kv_len]
+        mask = attention_mask[:, :, rows, first:end]
         if mask.dtype == torch.bool:
             return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
         return mask.to(dtype)
+    if isinstance(rows, slice):
+        rows = torch.arange(q_len)[rows]
     query_pos = (kv_len - q_len + rows)[:, None]
-    key_pos = torch.arange(kv_len, device=rows.device)[None]
+    key_pos = torch.arange(first, end, device=rows.device)[None]
     allowed = key_pos <= query_pos
     if sliding_window is not None:
         allowed &= key_pos > query_pos - sliding_window
@@ -410,6 +415,40 @@ def _pattern_blocks(
     return torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0]
 
 
+def _windowed_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    window: int,
+    dropout: float,
+    scaling: float,
+    **kwargs,
+) -> torch.Tensor:
+    """Exact sliding-window attention in blocks of ``window`` queries: [batch, q, heads, dim].
+
+    A query at position p sees keys p − window < k ≤ p, so a block of queries needs only the keys
+    from its first query's window start to its last query; sdpa runs on that band with the slice of
+    the mask (which may hide more keys: key masks, padding). Cost and saved tensors grow as
+    q·window instead of q·kv: at Gemma 3's window of 512 and 32K tokens, a 32× smaller band.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    offset = kv_len - q_len  # queries are the last q_len positions (KV cache)
+    blocks = []
+    for start in range(0, q_len, window):
+        stop = min(start + window, q_len)
+        first, end = max(0, offset + start - window + 1), offset + stop
+        band, rows = slice(first, end), slice(start, stop)
+        mask = _mask_rows(attention_mask, rows, q_len, kv_len, window, query.dtype, (first, end))
+        output, _ = sdpa_attention_forward(
+            module, query[:, :, start:stop], key[:, :, band], value[:, :, band], mask,
+            dropout=dropout, scaling=scaling, **kwargs,
+        )  # fmt: skip
+        blocks.append(output)
+    return torch.cat(blocks, dim=1)
+
+
 def _attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -429,8 +468,11 @@ def _attention(
             "model; use an architecture with rotary or learned absolute positions"
         )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    logits = Logits(scaling, softcap, s_aux, kwargs.get("sliding_window"))
-    if softcap is None and s_aux is None:
+    window = kwargs.get("sliding_window")
+    logits = Logits(scaling, softcap, s_aux, window)
+    if softcap is None and s_aux is None and window and query.shape[2] > window and key.shape[2] > 2 * window:
+        output = _windowed_sdpa(module, query, key, value, attention_mask, window, dropout, scaling, **kwargs)
+    elif softcap is None and s_aux is None:
         output, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

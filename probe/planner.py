@@ -27,6 +27,9 @@ input; counted once with ``torch.autograd.graph.saved_tensors_hooks`` on SmolLM2
 ``repeat_kv`` copies (``K' = H``). A layer whose sdpa gets a mask (a sliding-window layer when
 ``n > window``, every layer under a key mask, window or padding) also keeps the float mask sdpa
 converts the boolean one to: ``a·n`` bytes per token, one per layer (the *attention_workspace* term).
+Under longprobe's attention function (a trace or a modifier is active) a sliding layer with
+``n > 2·window`` runs in bands of one window of queries (:func:`probe.capture._windowed_sdpa`): no
+float mask of ``n²``, but each band's mask and sdpa output, ``a(2·window + Hh)`` bytes per token.
 For :func:`~probe.attribution.information_flow` nothing before the first captured layer needs a
 gradient; that layer saves only ``(N−1)·4(d+1) + a·g·m`` (the part after its attention output)
 and the layers before it nothing.
@@ -355,6 +358,10 @@ def _phases(
     a, d, m = s.act_bytes, s.hidden, s.intermediate
     everywhere = masked or batch > 1
     mask_of = [s.masked(layer, n, everywhere) for layer in range(s.layers)]
+    # under longprobe's attention function a sliding layer beyond two windows runs in bands
+    banded = masked or probe in ("information_flow", "answer_attribution", "attention_rows")
+    windowed = [banded and w is not None and n > 2 * w for w in s.windows]
+    full_mask = [mask_of[layer] and not windowed[layer] for layer in range(s.layers)]
     kinds = {s.windows[layer] is not None for layer in range(s.layers) if mask_of[layer]}
     if everywhere:
         kinds = {True, False} if any(w is not None for w in s.windows) else {False}
@@ -371,7 +378,7 @@ def _phases(
             layer_workspace=forward_ws,
             captured_rows=pattern if probe == "attention_rows" else 0,
             masks=masks,
-            attention_workspace=float_mask if any(mask_of) else 0,
+            attention_workspace=float_mask if any(full_mask) else 0,
             logits=logits,
             other=rope + batch * n * d * a,  # rotary tables and the final hidden states
         )
@@ -383,9 +390,18 @@ def _phases(
     first_grad = 0 if probe in ("embedding_grads", "answer_attribution") else captured[0]
     grad_layers = list(range(first_grad, s.layers))
     partial = probe == "information_flow"  # its first grad layer saves only what follows attention
-    saved = [s.saved(layer, n, mask_of[layer], partial and layer == first_grad) for layer in grad_layers]
-    # layers whose sdpa is differentiated (the partial first layer's is not) and gets a mask
-    masked_grad = sum(mask_of[layer] for layer in grad_layers if not (partial and layer == first_grad))
+    differentiated = [layer for layer in grad_layers if not (partial and layer == first_grad)]
+    saved = [
+        s.saved(layer, n, mask_of[layer], layer not in differentiated)
+        + (
+            a * (2 * s.windows[layer] + s.heads * s.head_dim)
+            if windowed[layer] and layer in differentiated
+            else 0
+        )
+        for layer in grad_layers
+    ]  # a band layer also keeps each band's mask [window, 2·window] and each band's sdpa output
+    # layers whose sdpa is differentiated (the partial first layer's is not) and gets a full mask
+    masked_grad = sum(full_mask[layer] for layer in differentiated)
     logits = batch * rows * s.vocab * (12 + (a if a != 4 else 0))
     embeddings = 2 * batch * n * d * a if probe in ("embedding_grads", "answer_attribution") else 0
     heap = _heap_slack(s.device)
@@ -395,7 +411,7 @@ def _phases(
         inputs = batch * len(grad_layers) * n * d * a
         loss_activations, backward_activations = inputs, inputs + batch * n * max(saved)
         workspace = batch * 3 * n * a * m
-        attention_ws = float_mask if any(mask_of[layer] for layer in grad_layers) else 0
+        attention_ws = float_mask if any(full_mask[layer] for layer in grad_layers) else 0
         allocator = heap * CHECKPOINT_HEAP_HOLES * inputs
     else:  # every layer's saved tensors stay until its backward
         loss_activations = backward_activations = batch * n * sum(saved)

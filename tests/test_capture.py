@@ -267,3 +267,23 @@ def test_bf16_rows_are_recomputed_in_fp32_and_stay_close_to_fp64(tiny):
     flow = probe.information_flow(half, ids, targets).double()
     expected = probe.information_flow(double, ids, targets)
     assert (flow - expected).abs().max() <= 5e-2 * expected.abs().max()
+
+
+def test_sliding_layers_attend_in_bands_exactly(monkeypatch):
+    """Beyond two windows, a sliding layer's attention runs in bands of one window of queries and their
+    reachable keys (probe.capture._windowed_sdpa); logits and information flow equal eager attention."""
+    model = probe.tiny_model("gemma3")  # window 6; layers 0 and 2 slide
+    ids = random_ids(model, seq=50)
+    targets = torch.tensor([30, 49])
+    bands = []
+    real = probe.capture._windowed_sdpa
+    monkeypatch.setattr(probe.capture, "_windowed_sdpa", lambda *a, **k: bands.append(1) or real(*a, **k))
+    flow = probe.information_flow(model, ids, targets)
+    assert len(bands) == 2  # the two sliding layers, once each
+    assert (flow - information_flow_reference(model, ids, targets)).abs().max() <= 1e-5
+    with torch.no_grad(), probe.trace(model, rows=[49]):
+        logits = model(input_ids=ids).logits
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    assert (logits - expected).abs().max() <= 1e-5

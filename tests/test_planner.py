@@ -75,10 +75,18 @@ def test_sliding_window_masks_only_beyond_the_window():
     assert short.terms["masks"] == short.terms["attention_workspace"] == 0
     assert long.terms["masks"] == 300 * 300  # one boolean [seq, seq] mask (the sliding kind)
     # plain pass: the float copy sdpa makes is saved in each sliding layer it differentiates: both
-    # for embedding_grads, layer 2 only for information_flow (nothing upstream of layer 0 needs grad)
-    assert long.terms["attention_workspace"] == 4 * 300 * 300
+    # for embedding_grads (the model's own sdpa), none for information_flow beyond two windows (its
+    # sliding layers run in bands), layer 2 only between one and two windows (nothing upstream of
+    # layer 0 needs grad)
+    assert (
+        long.terms["attention_workspace"]
+        == plan(gemma, 300, checkpoint=True).terms["attention_workspace"]
+        == 0
+    )
+    assert plan(gemma, 10).terms["attention_workspace"] == 4 * 10 * 10
     assert plan(gemma, 300, "embedding_grads").terms["attention_workspace"] == 2 * 4 * 300 * 300
-    assert plan(gemma, 300, checkpoint=True).terms["attention_workspace"] == 4 * 300 * 300
+    banded = plan(gemma, 300).terms["activations"] - plan(gemma, 10).terms["activations"] * 30
+    assert banded == 300 * 4 * (2 * 6 + 2 * 8)  # layer 2's band masks and band outputs
     llama = probe.tiny_model("llama")
     assert plan(llama, 300).terms["masks"] == 0
     assert plan(llama, 300, masked=True).terms["masks"] == 300 * 300
