@@ -47,6 +47,7 @@ are left out of the quick set; add them with ``--detectors``.
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -54,10 +55,10 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 import torch
-from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
+from analyses.sweep import sweep
 from probe import detectors, faithfulness, metrics, tasks
 from probe.generation import answer
 
@@ -391,6 +392,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "bench/results/ablation_speed.csv; more on a GPU)",
     )
     parser.add_argument("--out", type=Path, default=Path("figures"))
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the batches a killed run finished (in OUT/.detector_*_parts)",
+    )
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
@@ -416,16 +422,18 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
     options["context_cite"] = {"seed": args.seed + 1}  # its masks must differ from the LDS masks (seed)
     options |= {name: {"top_k": args.top_k} for name in args.detectors if "top_k" in detectors.options(name)}
-    rows, layers, faithful = [], [], []
-    jobs = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
-    chunks = [jobs[i : i + args.batch_size] for i in range(0, len(jobs), args.batch_size)]
+    samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
+    jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]
     tag = f"{Path(args.model).name}-{args.length}"
-    for chunk in tqdm(chunks, desc=f"detector_compare {args.model}", unit="batch"):
-        samples = [tasks.make(task, tokenizer, args.length, seed=seed) for task, seed in chunk]
-        chunk_rows, chunk_layers, chunk_faithful = compare_samples(
+
+    def run(job: tuple) -> dict[str, pd.DataFrame]:
+        """One batch of samples (``job`` = task, seed, task, seed, ...): its three tables."""
+        pairs = zip(job[::2], job[1::2], strict=True)
+        chunk = [tasks.make(task, tokenizer, args.length, seed=seed) for task, seed in pairs]
+        rows, layers, faithful = compare_samples(
             model,
             tokenizer,
-            samples,
+            chunk,
             args.detectors,
             args.top_k,
             args.max_new_tokens,
@@ -434,22 +442,26 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             n_masks=args.masks,
             seed=args.seed,
             batch_size=args.batch_size,
-            pages=args.out / f"detector_{tag}_view" if not rows else None,
+            pages=args.out / f"detector_{tag}_view" if job == jobs[0] else None,
         )
-        rows += chunk_rows
-        layers += chunk_layers
-        faithful.append(chunk_faithful)
+        layers = pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
+        return {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
 
+    parts = args.out / f".detector_{tag}_parts"
+    found = sweep(jobs, run, parts, args.resume, desc=f"detector_compare {args.model} (batches)")
+    if found is None:  # not the main process of an accelerate launch: it writes the outputs
+        return pd.DataFrame()
     settings = {"model": args.model, "length": args.length}
-    table = pd.DataFrame(rows).assign(**settings)
-    faithful = pd.concat(faithful, ignore_index=True).assign(**settings)
+    table = found["metrics"].assign(**settings)
+    faithful = found["faithfulness"].assign(**settings)
+    layers = [found["layers"]] if not found["layers"].empty else []
     atomic_write(args.out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
     fig, shares = plot_categories(table)
     save_figure(fig, shares, args.out, f"detector_{tag}_categories")
     fig, summary = plot_scores(table)
     save_figure(fig, summary, args.out, f"detector_{tag}_scores")
     if layers:
-        layer_table = pd.concat(layers, ignore_index=True)
+        layer_table = layers[0]
         save_figure(plot_layers(layer_table), layer_table, args.out, f"detector_{tag}_layers")
     save_figure(plot_deletion(faithful), faithful, args.out, f"detector_{tag}_faithfulness")
     ranks = rank_table(table, faithful)
@@ -459,6 +471,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     print(f"accuracy by task:\n{accuracy.to_string()}\n\n{summary.round(3).to_string(index=False)}")
     print(f"\nfaithfulness:\n{faithfulness_summary(faithful).round(3).to_string(index=False)}")
     print(f"\n{ranks_markdown(ranks)}")
+    shutil.rmtree(parts, ignore_errors=True)  # every output is written: nothing left to resume
     return table
 
 
