@@ -10,23 +10,25 @@ new tokens) from ``sample.prompt_ids`` — the prompt already ends with the task
 
 Writes ``task_accuracy.csv`` (one row per sample: settings, gold answer, generated text, correct),
 ``task_accuracy.png`` (accuracy heatmap, task x length, one panel per model) and
-``task_accuracy.md`` (the accuracy table for the README). The CSV is rewritten after every sample;
-``--resume`` keeps the samples already in it and runs only the missing ones (``--resume --samples
-0`` just redraws the figure and table from the CSV).
+``task_accuracy.md`` (the accuracy table for the README). Each finished sample is kept as a part
+(``OUT/.task_accuracy_parts``) until the outputs are written; ``--resume`` keeps the samples already
+in the CSV and in the parts and runs only the missing ones (``--resume --samples 0`` just redraws
+the figure and table from the CSV). Runs unchanged under ``accelerate launch`` (:mod:`analyses.sweep`).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
-from tqdm.auto import tqdm
 
 import probe
 from analyses.output import save_figure
+from analyses.sweep import sweep
 from probe import tasks
 from probe.generation import answer
 from probe.results import atomic_write
@@ -123,14 +125,20 @@ def main(argv: list[str] | None = None, models: dict | None = None) -> pd.DataFr
     cells = [(n, t, length) for n in names for t in args.tasks for length in args.lengths]
     todo = [(*cell, seed) for seed in range(args.samples) for cell in cells if (*cell, seed) not in finished]
     loaded = dict(models or {})
-    rows = []
-    for name, task, length, seed in tqdm(todo, desc=NAME):
+
+    def run(job: tuple) -> dict[str, pd.DataFrame]:
+        name, task, length, seed = job
         if name not in loaded:
             loaded[name] = probe.load_model(name)
-        rows.append(evaluate(*loaded[name], name, task, length, seed))
-        atomic_write(csv, lambda tmp: pd.concat([done, pd.DataFrame(rows)]).to_csv(tmp, index=False))
-    results = pd.concat([done, pd.DataFrame(rows)]).astype({"length": int, "seed": int, "correct": float})
+        return {"rows": pd.DataFrame([evaluate(*loaded[name], name, task, length, seed)])}
+
+    parts = args.out / f".{NAME}_parts"
+    found = sweep(todo, run, parts, args.resume, desc=NAME) if todo else {"rows": done.iloc[:0]}
+    if found is None:  # not the main process of an accelerate launch: it writes the outputs
+        return pd.DataFrame()
+    results = pd.concat([done, found["rows"]]).astype({"length": int, "seed": int, "correct": float})
     write(results, args.out)
+    shutil.rmtree(parts, ignore_errors=True)
     return results
 
 
