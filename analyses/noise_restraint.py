@@ -15,15 +15,16 @@ and ``noise_restraint.csv`` (one row per model, sample, step, layer and category
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
-from tqdm.auto import tqdm
 
 import probe
 from analyses.output import save_figure
+from analyses.sweep import sweep
 from probe import denoise, tasks
 from probe.generation import answer
 
@@ -148,6 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--quick", action="store_true", help="2 samples per model, steps 0.01 0.1 1 10")
+    parser.add_argument("--resume", action="store_true", help="keep the samples a killed run finished")
     args = parser.parse_args(argv)
     if args.quick:
         args.samples, args.steps = 2, [0.01, 0.1, 1.0, 10.0]
@@ -158,13 +160,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
-    frames = []
-    for name in args.models:
-        model, tokenizer = probe.load_model(name)
-        for seed in tqdm(range(args.seed, args.seed + args.samples), desc=f"{NAME} {name}"):
-            frames.append(restrain_sample(model, tokenizer, args, seed).assign(model=Path(name).name))
-    table = pd.concat(frames, ignore_index=True)
+    jobs = [(name, seed) for name in args.models for seed in range(args.seed, args.seed + args.samples)]
+    loaded = {}
+
+    def run(job: tuple) -> dict[str, pd.DataFrame]:
+        name, seed = job
+        if name not in loaded:
+            loaded[name] = probe.load_model(name)
+        return {"rows": restrain_sample(*loaded[name], args, seed).assign(model=Path(name).name)}
+
+    parts = args.out / f".{NAME}_parts"
+    found = sweep(jobs, run, parts, args.resume, desc=NAME)
+    if found is None:  # not the main process of an accelerate launch: it writes the outputs
+        return pd.DataFrame()
+    table = found["rows"]
     save_figure(plot(table), table, args.out, NAME)
+    shutil.rmtree(parts, ignore_errors=True)
     print(summary(table).round(4).to_string(index=False))
     return table
 
