@@ -15,12 +15,19 @@ by the child just before its run (the machine has 2 cores).
 
     python bench/planner_validation.py --csv bench/results/planner_validation.csv
     python bench/planner_validation.py --models smollm2-135m --lengths 1024 2048   # quick
+    python bench/planner_validation.py --measured a.csv b.csv --csv out.csv   # re-predict, no re-run
+
+``--measured`` takes the measured peaks of earlier runs (this script's CSVs, or
+``bench/long_context.py``'s ``information_flow`` rows) and sets the current planner's prediction
+beside each, without running anything: after a change to the planner, the same measurements
+validate it again.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pandas as pd
 from harness import bench_parser, measure, report, run_children
@@ -65,12 +72,48 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str, thread
     }
 
 
+SAME = {"information_flow": "plain", "information_flow_checkpointed": "checkpointed"}  # long_context.py
+
+
+def repredict(paths: list, n_targets: int) -> pd.DataFrame:
+    """The measured ``peak_mib`` of earlier runs beside the current planner's prediction (from each
+    model's config alone; nothing is loaded or run)."""
+    from transformers import AutoConfig
+
+    from probe.models import converted_folder
+    from probe.planner import plan
+
+    measured = pd.concat(
+        [pd.read_csv(path).assign(source=Path(path).name) for path in paths], ignore_index=True
+    )
+    measured = measured.assign(method=measured.method.replace(SAME))
+    measured = measured[measured.method.isin(METHODS)]
+    configs = {name: AutoConfig.from_pretrained(converted_folder(name)) for name in measured.model.unique()}
+    rows = []
+    for row in measured.itertuples():
+        predicted = plan(configs[row.model], int(row.length), "information_flow", rows=n_targets,
+                         checkpoint=row.method == "checkpointed")  # fmt: skip
+        rows.append({
+            "model": row.model, "length": int(row.length), "method": row.method, "peak_mib": row.peak_mib,
+            "predicted_mib": predicted.total / 2**20,
+            "tensors_mib": (predicted.total - predicted.terms["allocator"]) / 2**20, "source": row.source,
+        })  # fmt: skip
+    return pd.DataFrame(rows).sort_values(["model", "length", "method"], ignore_index=True)
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = bench_parser(__doc__, METHODS, [1024, 2048, 4096, 8192])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--targets", type=int, default=16, help="loss on the last N tokens")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each child")
+    parser.add_argument(
+        "--measured", nargs="+", type=Path, help="re-predict these measured CSVs; run nothing"
+    )
     args = parser.parse_args(argv)
+    if args.measured:
+        table = repredict(args.measured, args.targets)
+        table = table.assign(ratio=table.peak_mib / table.predicted_mib)
+        return report(table.assign(within_15pct=(table.ratio - 1).abs() <= 0.15), args.csv)
     if args.child:
         child = functools.partial(
             _run_child, n_targets=args.targets, model_name=args.model, threads=args.threads

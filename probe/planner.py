@@ -62,7 +62,10 @@ and the layers before it nothing.
   every freed tensor; SmolLM2 and Gemma 3, 512 – 2K tokens): a plain gradient pass keeps
   ``0.36·activations`` extra (0.32 – 0.41 in 10 of 12 runs), a checkpointed one about four
   hidden-state tensors per checkpointed layer, ``4·L_g·n·d·a`` (3 – 4.6). No-grad passes: 0.
-  Individual runs scatter: 2 of 12 plain runs kept almost nothing extra. With a fixed threshold
+  Individual runs scatter: 2 of 12 plain runs kept almost nothing extra. Tensors of 32 MiB or more
+  are always mmapped and go back to the system when freed, so the term is 0 once the layer's tensors
+  (the hidden state when checkpointed, an MLP activation otherwise) reach that size (Gemma 3 from
+  16K tokens: measured peaks there match the tensors without it). With a fixed threshold
   (``MALLOC_MMAP_THRESHOLD_`` set, or :func:`compact_heap` called) and on CUDA the term is 0.
 
 Batches (``batch > 1``) are assumed padded: every layer then gets a mask. Probes: ``"information_flow"``,
@@ -118,6 +121,7 @@ _ALIASES = {"embedding_grad_norms": "embedding_grads"}
 # glibc heap slack (see the module docstring): measured once at 512 – 2K tokens, both models.
 PLAIN_HEAP_SLACK = 0.36  # × activations of a plain gradient pass
 CHECKPOINT_HEAP_HOLES = 4  # hidden-state tensors per checkpointed layer
+MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc (64-bit): blocks this large are always mmapped, freed at once
 _GIB = 2**30
 _compact_heap = False
 
@@ -412,12 +416,14 @@ def _phases(
         loss_activations, backward_activations = inputs, inputs + batch * n * max(saved)
         workspace = batch * 3 * n * a * m
         attention_ws = float_mask if any(full_mask[layer] for layer in grad_layers) else 0
-        allocator = heap * CHECKPOINT_HEAP_HOLES * inputs
+        holes = batch * n * d * a < MMAP_THRESHOLD_MAX  # a hidden state small enough for the heap
+        allocator = heap * holes * CHECKPOINT_HEAP_HOLES * inputs
     else:  # every layer's saved tensors stay until its backward
         loss_activations = backward_activations = batch * n * sum(saved)
         workspace = batch * n * a * (m + d)
         attention_ws = float_mask * masked_grad
-        allocator = round(heap * PLAIN_HEAP_SLACK * backward_activations)
+        holes = batch * n * m * a < MMAP_THRESHOLD_MAX  # an MLP activation small enough for the heap
+        allocator = round(heap * holes * PLAIN_HEAP_SLACK * backward_activations)
     common = {"masks": masks, "embeddings": embeddings // 2, "other": other, "allocator": allocator}
     phases = {
         # loss and its gradient on the target rows, before any layer's backward
