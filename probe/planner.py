@@ -63,9 +63,9 @@ and the layers before it nothing.
   ``0.36·activations`` extra (0.32 – 0.41 in 10 of 12 runs), a checkpointed one about four
   hidden-state tensors per checkpointed layer, ``4·L_g·n·d·a`` (3 – 4.6). No-grad passes: 0.
   Individual runs scatter: 2 of 12 plain runs kept almost nothing extra. Tensors of 32 MiB or more
-  are always mmapped and go back to the system when freed, so the term is 0 once the layer's tensors
-  (the hidden state when checkpointed, an MLP activation otherwise) reach that size (Gemma 3 from
-  16K tokens: measured peaks there match the tensors without it). With a fixed threshold
+  are always mmapped and go back to the system when freed, so a checkpointed pass keeps no holes
+  once a hidden state reaches that size (Gemma 3 from 16K tokens); plain passes kept their slack at
+  every length measured (SmolLM2 at 8K: 0.36·activations, as at 1K). With a fixed threshold
   (``MALLOC_MMAP_THRESHOLD_`` set, or :func:`compact_heap` called) and on CUDA the term is 0.
 
 Batches (``batch > 1``) are assumed padded: every layer then gets a mask. Probes: ``"information_flow"``,
@@ -422,8 +422,7 @@ def _phases(
         loss_activations = backward_activations = batch * n * sum(saved)
         workspace = batch * n * a * (m + d)
         attention_ws = float_mask * masked_grad
-        holes = batch * n * m * a < MMAP_THRESHOLD_MAX  # an MLP activation small enough for the heap
-        allocator = round(heap * holes * PLAIN_HEAP_SLACK * backward_activations)
+        allocator = round(heap * PLAIN_HEAP_SLACK * backward_activations)
     common = {"masks": masks, "embeddings": embeddings // 2, "other": other, "allocator": allocator}
     phases = {
         # loss and its gradient on the target rows, before any layer's backward
