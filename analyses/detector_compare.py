@@ -386,10 +386,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=4,
-        help="samples per detector pass and masked passes per forward (default 4: leave-one-out's 45 "
-        "masked passes at 1K took 66 s in batches of 4 against 79 s one by one on 2 CPU cores, "
-        "bench/results/ablation_speed.csv; more on a GPU)",
+        default=1,
+        help="samples per detector pass and masked passes per forward (default 1 on this 2-core CPU: "
+        "batches of 4 sped up leave-one-out's passes 1.2x but slowed the whole faithfulness evaluation, "
+        "see the README; on a GPU use 8-16)",
     )
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument(
