@@ -507,10 +507,12 @@ def guard(
     when the resolved plan does not fit; returns the resolved ``checkpoint`` flag.
     """
     available = _available(model, available_bytes)
-    if checkpoint == "auto":
-        resolved = auto_checkpoint(model, seq_len, probe, rows, batch, layers, masked, available)
-        if not resolved and _ALIASES.get(probe, probe) in GRAD_PROBES and available is not None:
-            resolved = plan(model, seq_len, probe, rows, batch, False, layers, masked).total > available
+    if checkpoint == "auto":  # on whenever the plain pass does not fit (also when neither does)
+        resolved = (
+            _ALIASES.get(probe, probe) in GRAD_PROBES
+            and available is not None
+            and plan(model, seq_len, probe, rows, batch, False, layers, masked).total > available
+        )
     elif isinstance(checkpoint, bool):
         resolved = checkpoint
     else:

@@ -57,7 +57,8 @@ def token_view(sample, scores: Sequence[float] | None = None, title: str = "") -
     """
     text, offsets = sample.text, np.asarray(sample.offsets)
     categories = np.asarray(sample.categories)
-    shade = _shades(scores, sample.prompt_length, len(offsets))
+    values = None if scores is None else np.asarray(scores, dtype=float).reshape(-1)
+    shade = _shades(values, sample.prompt_length, len(offsets))
     answer = set(range(*sample.spans["answer"][0])) if sample.spans.get("answer") else set()
     parts, previous = [], 0
     for i, end in enumerate(offsets[:, 1]):
@@ -67,7 +68,7 @@ def token_view(sample, scores: Sequence[float] | None = None, title: str = "") -
         style = f"background: rgba(214, 39, 40, {shade[i]:.3f});" if shade is not None else ""
         if category in COLOURS and category != "answer":
             style += f" box-shadow: inset 0 -3px 0 {COLOURS[category]};"
-        value = "" if scores is None else f", score {float(np.asarray(scores)[i]):.4g}"
+        value = "" if values is None else f", score {values[i]:.4g}"
         classes = "tok answer" if i in answer else "tok"
         parts.append(
             f'<span class="{classes}" style="{style}" title="{i}: {html.escape(category)}{value}">'
