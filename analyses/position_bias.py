@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
+import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,8 +44,9 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import save_figure
+from analyses.sweep import is_main_process, sweep
 from probe import graph, tasks
-from probe.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, train
+from probe.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, train_together
 from probe.generation import answer
 from probe.tasks.classification import Batch, InContextClassification
 from probe.tasks.noise import essay_ids
@@ -157,59 +160,102 @@ class Network:
 class Study:
     """The controlled study: one unbiased task per seed, its training batches and the trained networks.
 
-    A seed's task and its pool of ``preset.pool`` training batches are drawn on first use and shared by
-    every network of that seed; each task draws all its data from its own generator, so the order of
-    the calls fixes every number.
+    A seed's task and its pool of ``preset.pool`` training batches are drawn on first use; every later
+    :meth:`task` call rewinds the task's generator to the state right after that draw, so each network
+    of a seed sees the same data stream and every job of a sweep gives the same numbers in whichever
+    process, and after whichever other jobs, it runs.
     """
 
     preset: Preset
     networks: dict[Network, AttentionOnly] = field(default_factory=dict)
     tasks: dict[int, InContextClassification] = field(default_factory=dict)
     pools: dict[int, Batch | None] = field(default_factory=dict)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def task(self, seed: int) -> InContextClassification:
-        """The task of ``seed``, drawing it and its training pool (``pools[seed]``) on first use."""
+        """The task of ``seed``, its generator rewound (drawing the task and ``pools[seed]`` on first use)."""
         if seed not in self.tasks:
             self.tasks[seed] = task = InContextClassification(seed=seed)
             self.pools[seed] = None if self.preset.pool is None else task.batch(128 * self.preset.pool)
+            self.states[seed] = task.generator.get_state()
+        self.tasks[seed].generator.set_state(self.states[seed])
         return self.tasks[seed]
 
-    def train(self, config: SANConfig, seed: int) -> AttentionOnly:
-        """A network of ``config`` trained on the task of ``seed`` (initialised from ``seed``)."""
-        torch.manual_seed(seed)
-        task = self.task(seed)
-        model = AttentionOnly(config)
-        train(model, task, self.preset.steps, data=self.pools[seed])
-        return model
+    def train(self, config: SANConfig, seeds: Sequence[int]) -> list[AttentionOnly]:
+        """One network of ``config`` per seed (initialised from it, trained on its task), trained together."""
+        models = []
+        for seed in seeds:
+            torch.manual_seed(seed)
+            models.append(AttentionOnly(config))
+        tasks = [self.task(seed) for seed in seeds]
+        data = None if self.preset.pool is None else [self.pools[seed] for seed in seeds]
+        train_together(models, tasks, self.preset.steps, data=data)
+        return models
 
 
 # --- controlled study ----------------------------------------------------------------------------------
 
 
-def controlled_study(study: Study, progress: bool = True) -> pd.DataFrame:
-    """Train every network of the preset into ``study.networks``; their gaps, one row per network and pair."""
-    preset = study.preset
-    sizes = [(n, False) for n in preset.n_layers] + [(n, True) for n in preset.residual_n_layers]
-    networks = [Network(panel, n, res, seed) for panel in PANELS for n, res in sizes for seed in preset.seeds]
-    rows = []
-    for network in tqdm(networks, desc="controlled study", disable=not progress):
-        model = study.networks[network] = study.train(network.config(), network.seed)
-        gaps = accuracy_gaps(model, study.task(network.seed), preset.test_size)
-        rows.append(
-            gaps.assign(
-                panel=network.panel,
-                depth=network.n_layers,  # the CSV column keeps the paper's word
-                residual=network.residual,
+def study_group(study: Study, panel: str, n_layers: int, residual: bool) -> dict[str, pd.DataFrame]:
+    """One sweep job: the networks of one panel and size, all seeds trained together.
+
+    Returns ``gaps`` (one row per seed and pair) and ``networks`` (each network's ``state_dict``, so
+    the main process can rebuild the networks a sweep trained elsewhere).
+    """
+    seeds = study.preset.seeds
+    networks = [Network(panel, n_layers, residual, seed) for seed in seeds]
+    models = study.train(networks[0].config(), seeds)
+    gaps, states = [], []
+    for network, model in zip(networks, models, strict=True):
+        study.networks[network] = model
+        gaps.append(
+            accuracy_gaps(model, study.task(network.seed), study.preset.test_size).assign(
+                panel=panel,
+                depth=n_layers,  # the CSV column keeps the paper's word
+                residual=residual,
                 seed=network.seed,
                 setting=network.setting,
             )
         )
-    return pd.concat(rows, ignore_index=True)
+        states.append({**dataclasses.asdict(network), "state": model.state_dict()})
+    return {"gaps": pd.concat(gaps, ignore_index=True), "networks": pd.DataFrame(states)}
+
+
+def controlled_study(
+    study: Study, progress: bool = True, parts: Path | None = None, resume: bool = False
+) -> pd.DataFrame:
+    """Train every network of the preset into ``study.networks``; their gaps, one row per network and pair.
+
+    A sweep (:mod:`analyses.sweep`) over panels and sizes: under ``accelerate launch`` the processes
+    share the jobs and the main process gets every network back. Only the main process returns the
+    gaps (the others an empty frame).
+    """
+    preset = study.preset
+    sizes = [(n, False) for n in preset.n_layers] + [(n, True) for n in preset.residual_n_layers]
+    jobs = [(panel, n, residual) for panel in PANELS for n, residual in sizes]
+    with tempfile.TemporaryDirectory() as scratch:
+        found = sweep(
+            jobs,
+            lambda job: study_group(study, *job),
+            parts or Path(scratch),
+            resume,
+            desc="controlled study",
+            progress=progress,
+        )
+    if found is None:
+        return pd.DataFrame()
+    for row in found["networks"].itertuples(index=False):
+        network = Network(row.panel, row.n_layers, row.residual, row.seed)
+        if network not in study.networks:  # trained by another process, or read back by --resume
+            study.networks[network] = model = AttentionOnly(network.config())
+            model.load_state_dict(row.state)
+            model.eval()
+    return found["gaps"]
 
 
 def with_paper(gaps: pd.DataFrame) -> pd.DataFrame:
-    """Our gaps (mean over seeds) beside the paper's, long form with a ``source`` column."""
-    ours = gaps.groupby(["panel", "setting", "depth", "residual", "pair"], as_index=False).gap.mean()
+    """Our gaps (one row per seed) beside the paper's, long form with a ``source`` column."""
+    ours = gaps[["panel", "setting", "depth", "residual", "pair", "seed", "gap"]]
     paper = [
         {"panel": p, "setting": setting_name(n, r), "depth": n, "residual": r, "pair": pair, "gap": g}
         for (p, r, n), values in PAPER_GAPS.items()
@@ -234,7 +280,7 @@ def plot_gaps(table: pd.DataFrame) -> plt.Figure:
         order=list(PAIRS),
         height=3,
         aspect=1.3,
-        errorbar=None,
+        errorbar=("ci", 95),  # ours: bootstrap interval over seeds; the paper: one number,
     )
     grid.set_axis_labels("", "acc[a,b] − acc[b,a]")
     for ax in grid.axes.flat:
@@ -300,7 +346,7 @@ def sink_study(study: Study, progress: bool) -> pd.DataFrame:
         ("prefix", f"K = {k}", SANConfig(n_layers=n_layers, mask="prefix", prefix=k)) for k in preset.prefixes
     ]
     for family, name, config in tqdm(extra, desc="sink networks", disable=not progress):
-        cases.append((family, name, study.train(config, seed)))
+        cases.append((family, name, *study.train(config, [seed])))
     task = study.task(seed)
     rows = []
     for family, name, model in cases:
@@ -579,6 +625,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser.add_argument("--seeds", type=int, nargs="+", help="one network per seed and setting")
     parser.add_argument("--n-layers", type=int, nargs="+", help="network sizes (layers) without residual")
     parser.add_argument("--residual-n-layers", type=int, nargs="+", help="network sizes with residual")
+    parser.add_argument("--pool", type=int, help="pre-drawn training batches per seed (= --steps: no repeats)")
     for old, new in (("--depths", "n_layers"), ("--residual-depths", "residual_n_layers")):
         parser.add_argument(old, dest=new, type=int, nargs="+", action=RenamedOption, help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="*", help="real models (none: skip the real-model part)")
@@ -586,6 +633,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: best on a shared CPU)")
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--resume", action="store_true", help="keep the jobs a killed run finished")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset or "quick"]
     overrides = {
@@ -596,10 +644,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     return dataclasses.replace(preset, **overrides), args
 
 
-def run_study(preset: Preset, out: Path, progress: bool) -> dict[str, pd.DataFrame]:
-    """The controlled study: gap bars, attention maps, sinks, selector vs layers."""
+def run_study(preset: Preset, out: Path, progress: bool, resume: bool) -> dict[str, pd.DataFrame]:
+    """The controlled study: gap bars, attention maps, sinks, selector vs layers (main process only)."""
     study = Study(preset)
-    gaps = controlled_study(study, progress)
+    parts = out / ".position_bias_parts"
+    gaps = controlled_study(study, progress, parts, resume)
+    if not is_main_process():
+        return {}
     sinks = sink_study(study, progress)
     by_layers = selector_by_layers(study)
     seed = preset.seeds[0]
@@ -612,24 +663,32 @@ def run_study(preset: Preset, out: Path, progress: bool) -> dict[str, pd.DataFra
     save_figure(plot_selector_by_layers(by_layers), by_layers, out, "position_bias_selector_depth")
     summary = tables["gaps"].pivot_table(index=["panel", "setting", "pair"], columns="source", values="gap")
     print(summary.round(3).to_string())
+    shutil.rmtree(parts, ignore_errors=True)
     return tables
 
 
-def run_real(preset: Preset, out: Path, progress: bool) -> dict[str, pd.DataFrame]:
-    """Real models: first-token mass vs layers, and lost in the middle on key–value retrieval."""
-    masses, kv = [], []
-    for name in tqdm(preset.models, desc="real models", disable=not progress):
-        model, tokenizer = probe.load_model(name)
-        masses.append(first_token_mass(name, model, tokenizer, preset))
-        kv.append(lost_in_the_middle(name, model, tokenizer, preset, progress))
-    if not masses:
+def run_real(preset: Preset, out: Path, progress: bool, resume: bool) -> dict[str, pd.DataFrame]:
+    """Real models (one sweep job each): first-token mass vs layers, and lost in the middle."""
+
+    def run(job: tuple[str]) -> dict[str, pd.DataFrame]:
+        model, tokenizer = probe.load_model(job[0])
+        return {
+            "real_models": first_token_mass(job[0], model, tokenizer, preset),
+            "lost_in_the_middle": lost_in_the_middle(job[0], model, tokenizer, preset, progress),
+        }
+
+    if not preset.models:
         return {}
-    tables = {"real_models": pd.concat(masses), "lost_in_the_middle": pd.concat(kv)}
+    parts = out / ".position_bias_real_parts"
+    tables = sweep([(name,) for name in preset.models], run, parts, resume, "real models", progress=progress)
+    if tables is None:
+        return {}
     save_figure(
         plot_first_token_mass(tables["real_models"]), tables["real_models"], out, "position_bias_real_models"
     )
     lost = tables["lost_in_the_middle"]
     save_figure(plot_lost_in_the_middle(lost), lost, out, "position_bias_lost_in_the_middle")
+    shutil.rmtree(parts, ignore_errors=True)
     return tables
 
 
@@ -640,12 +699,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
     torch.set_num_threads(args.threads)  # tiny networks: thread hand-offs cost more than the arithmetic
     tables = {}
     if "study" in args.parts:
-        tables |= run_study(preset, args.out, progress)
-    if "theory" in args.parts:
+        tables |= run_study(preset, args.out, progress, args.resume)
+    if "theory" in args.parts and is_main_process():
         tables["theory"] = theory_table()
         save_figure(plot_theory(tables["theory"]), tables["theory"], args.out, "position_bias_theory")
     if "real" in args.parts:
-        tables |= run_real(preset, args.out, progress)
+        tables |= run_real(preset, args.out, progress, args.resume)
     return tables
 
 

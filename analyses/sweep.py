@@ -4,8 +4,10 @@
 distributed setup, under plain ``python -m``), writes each finished job's tables atomically to
 ``{parts}/{job}.pkl``, and gathers every job's tables on the main process in job order, so the
 outputs equal a single process's. With ``resume=True`` the jobs whose part exists are read back
-instead of being run again: a killed sweep goes on where it stopped. Progress bars show on the
-main process only.
+instead of being run again: a killed sweep goes on where it stopped. With ``everywhere=True``
+every process gets the gathered tables (the main process sends them), for a sweep whose results
+the next sweep needs (the retrieval-head ranking that the ablation jobs use). Progress bars show
+on the main process only.
 
     accelerate launch --num_processes 2 --cpu -m analyses.detector_compare --samples 8   # two CPU processes
     accelerate launch --multi_gpu --num_processes 8 -m analyses.detector_compare ...     # eight GPUs
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 from accelerate import PartialState
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from tqdm.auto import tqdm
 
 from probe.results import atomic_write
@@ -37,26 +39,35 @@ def sweep(
     parts: Path,
     resume: bool = False,
     desc: str = "sweep",
+    everywhere: bool = False,
+    progress: bool = True,
 ) -> Tables | None:
     """Run ``run(job)`` for every job across accelerate's processes; the main process gets each table
-    name's rows of all jobs concatenated in job order, the other processes ``None``.
+    name's rows of all jobs concatenated in job order, the other processes ``None`` (the same tables
+    as the main process with ``everywhere``).
 
-    ``run`` returns named tables (``{"metrics": frame, ...}``), the same names for every job.
+    ``run`` returns named tables (``{"metrics": frame, ...}``); a job may leave out a table that it
+    has no rows for (a base model has no training log), the others' are concatenated without it.
     """
     state = PartialState()
     parts = Path(parts)
     todo = [job for job in jobs if not (resume and (parts / f"{part_name(job)}.pkl").exists())]
     new = {}
     with state.split_between_processes(todo) as mine:
-        for job in tqdm(mine, desc=desc, disable=not state.is_main_process):
+        for job in tqdm(mine, desc=desc, disable=not (progress and state.is_main_process)):
             new[part_name(job)] = tables = run(job)
             atomic_write(parts / f"{part_name(job)}.pkl", lambda tmp, t=tables: pd.to_pickle(t, tmp))
     if state.num_processes > 1:  # every process's tables to the main process (no shared disk needed)
         new = dict(gather_object(list(new.items())))
-    if not state.is_main_process:
-        return None
-    per_job = [new.get(part_name(job)) or pd.read_pickle(parts / f"{part_name(job)}.pkl") for job in jobs]
-    return {name: pd.concat([tables[name] for tables in per_job], ignore_index=True) for name in per_job[0]}
+    found = None
+    if state.is_main_process:
+        per_job = [new.get(part_name(job)) or pd.read_pickle(parts / f"{part_name(job)}.pkl") for job in jobs]
+        found = {}
+        for name in dict.fromkeys(name for tables in per_job for name in tables):  # in order of appearance
+            found[name] = pd.concat([tables[name] for tables in per_job if name in tables], ignore_index=True)
+    if everywhere and state.num_processes > 1:
+        found = broadcast_object_list([found])[0]
+    return found
 
 
 def is_main_process() -> bool:

@@ -15,6 +15,7 @@ first / middle / last items (item ``pairs // 2`` is the middle, as in the refere
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 from torch import nn
+from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
 from probe.deprecation import renamed_arguments
@@ -163,6 +165,60 @@ def train(
         optimiser.step()
         losses.append(loss.item())
     model.eval()
+    return losses
+
+
+def train_together(
+    models: Sequence[AttentionOnly],
+    tasks: Sequence[InContextClassification],
+    steps: int,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    weight_decay: float = 1e-6,
+    data: Sequence[Batch] | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Train networks of one architecture side by side, each as :func:`train` would alone.
+
+    Network ``i`` learns ``tasks[i]`` (fresh batches every step) or cycles through ``data[i]``. The
+    parameters are stacked to ``[networks, ...]`` (:func:`torch.func.stack_module_state`) and one
+    vmapped forward runs them all; the summed loss gives each network its own gradient, and AdamW
+    acts element by element, so each follows the trajectory it would follow alone (tested). The
+    trained weights are written back into ``models``. Returns the losses ``[steps, networks]``.
+    """
+    if len({model.config for model in models}) != 1:
+        raise ValueError("train_together stacks networks of one SANConfig; train other configs separately")
+    if len(tasks) != len(models) or (data is not None and len(data) != len(models)):
+        raise ValueError(f"need one task (and one data set) per network: {len(models)} networks")
+    params, buffers = stack_module_state(list(models))
+    template = copy.deepcopy(models[0]).to("meta")
+
+    def loss(params: dict, buffers: dict, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, _ = functional_call(template, (params, buffers), (inputs,))
+        return nn.functional.cross_entropy(logits, targets)
+
+    losses_of = vmap(loss)
+    optimiser = torch.optim.AdamW(params.values(), lr=lr, weight_decay=weight_decay)
+    losses = torch.empty(steps, len(models))
+    for step in tqdm(range(steps), disable=not progress, desc="train", leave=False):
+        if data is None:
+            batches = [task.batch(batch_size) for task in tasks]
+        else:
+            batches = [
+                Batch(pool.inputs[start : start + batch_size], pool.targets[start : start + batch_size], None)
+                for pool in data
+                for start in [step * batch_size % (len(pool.targets) - batch_size + 1)]
+            ]
+        inputs, targets = torch.stack([b.inputs for b in batches]), torch.stack([b.targets for b in batches])
+        step_losses = losses_of(params, buffers, inputs, targets)
+        optimiser.zero_grad()
+        step_losses.sum().backward()
+        optimiser.step()
+        losses[step] = step_losses.detach()
+    with torch.no_grad():
+        for i, model in enumerate(models):
+            model.load_state_dict({name: value[i] for name, value in (params | buffers).items()})
+            model.eval()
     return losses
 
 

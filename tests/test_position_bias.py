@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from probe import graph
-from probe.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, rotate, train
+from probe.attention_only import (
+    AttentionOnly,
+    SANConfig,
+    accuracy_gaps,
+    log_mask,
+    rotate,
+    train,
+    train_together,
+)
 from probe.tasks.classification import Config, InContextClassification
 
 
@@ -99,6 +107,45 @@ def test_training_lowers_the_loss(one_thread):
     losses = train(model, task, steps=60, batch_size=64, lr=3e-3, data=task.batch(64 * 20))
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.2
     assert not model.training
+
+
+@pytest.mark.parametrize(
+    "config, pooled",
+    [(SANConfig(n_layers=2, pe="rope", residual=True), True), (SANConfig(n_layers=3, mask="decay"), False)],
+)
+def test_networks_trained_together_follow_their_lone_trajectories(one_thread, config, pooled):
+    """Stacked + vmapped training (one AdamW over [networks, ...]) equals training each network alone."""
+    seeds = [0, 1, 2]
+
+    def networks():
+        models = []
+        for seed in seeds:
+            torch.manual_seed(seed)
+            models.append(AttentionOnly(config))
+        return models, [InContextClassification(Config(classes=64), seed=seed) for seed in seeds]
+
+    alone, tasks = networks()
+    pools = [task.batch(16 * 3) for task in tasks] if pooled else [None] * 3
+    lone_losses = [
+        train(model, task, steps=8, batch_size=16, data=pool)
+        for model, task, pool in zip(alone, tasks, pools, strict=True)
+    ]
+    together, tasks = networks()
+    pools = [task.batch(16 * 3) for task in tasks] if pooled else None
+    losses = train_together(together, tasks, steps=8, batch_size=16, data=pools)
+    assert losses.shape == (8, 3)
+    torch.testing.assert_close(losses, torch.tensor(lone_losses).T, rtol=1e-5, atol=1e-6)
+    for a, b in zip(alone, together, strict=True):
+        for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+        assert not b.training
+    assert not torch.equal(together[0].qkv[0].weight, together[1].qkv[0].weight)  # really three networks
+
+
+def test_train_together_refuses_mixed_architectures():
+    models = [AttentionOnly(SANConfig(n_layers=2)), AttentionOnly(SANConfig(n_layers=3))]
+    with pytest.raises(ValueError, match="one SANConfig"):
+        train_together(models, [InContextClassification(seed=0)] * 2, steps=1)
 
 
 class FirstItemReader(torch.nn.Module):

@@ -46,3 +46,17 @@ def test_old_depth_options_still_work():
         "--depths is deprecated; use --n-layers",
         "--residual-depths is deprecated; use --residual-n-layers",
     ]
+
+
+def test_the_study_is_a_sweep_that_resumes_with_the_same_numbers(tmp_path):
+    """Jobs (panel, size) are independent of the order they run in: a resumed run equals a fresh one."""
+    argv = ["--smoke", "--parts", "study", "--no-progress", "--seeds", "0", "1"]
+    fresh = position_bias.main([*argv, "--out", str(tmp_path / "fresh")])
+    parts = tmp_path / "resumed" / ".position_bias_parts"
+    study = position_bias.Study(position_bias.parse_args(argv)[0])
+    position_bias.controlled_study(study, progress=False, parts=parts)  # a run killed after the sweep
+    (parts / "RoPE__2__True.pkl").unlink()  # ... or before its last job
+    resumed = position_bias.main([*argv, "--resume", "--out", str(tmp_path / "resumed")])
+    for name in ("gaps", "sinks", "selector_depth", "attention_maps"):
+        pd.testing.assert_frame_equal(fresh[name], resumed[name])
+    assert set(fresh["gaps"].seed.dropna()) == {0, 1} and not parts.exists()

@@ -1,0 +1,50 @@
+"""The claims table's statistics: bootstrap intervals on distributions whose answer is known."""
+
+import numpy as np
+import pytest
+
+from analyses.stats import Estimate, bootstrap, correlation
+
+
+def test_the_mean_interval_has_the_normal_width_and_covers_95_percent():
+    rng = np.random.default_rng(1)
+    sigma, n = 2.0, 400
+    one = bootstrap(rng.normal(5.0, sigma, n))
+    normal_width = 2 * 1.96 * sigma / np.sqrt(n)
+    assert one.high - one.low == pytest.approx(normal_width, rel=0.1)
+    covered = [bootstrap(rng.normal(5.0, sigma, 60), resamples=1000, seed=i).covers(5.0) for i in range(300)]
+    assert 0.90 <= np.mean(covered) <= 0.99  # binomial sd of the coverage ≈ 0.013
+
+
+def test_other_statistics_constant_data_and_single_values():
+    rng = np.random.default_rng(2)
+    median = bootstrap(rng.exponential(1.0, 2000), statistic=np.median)
+    assert median.covers(np.log(2)) and median.high - median.low < 0.15
+    assert bootstrap([1.0, 1.0, 1.0]) == Estimate(1.0, 1.0, 1.0, 3)
+    single = bootstrap([0.4, np.nan], over="seeds")
+    assert single.value == 0.4 and np.isnan(single.low) and single.n == 1 and "n = 1 seeds" in str(single)
+    with pytest.raises(ValueError, match="at least one value"):
+        bootstrap([np.nan])
+
+
+@pytest.mark.parametrize("method", ["pearson", "spearman"])
+def test_correlation_interval_covers_the_true_correlation(method):
+    rng = np.random.default_rng(3)
+    rho, n = 0.6, 500
+    x, y = rng.multivariate_normal([0, 0], [[1, rho], [rho, 1]], size=n).T
+    estimate = correlation(x, y, method, resamples=2000)
+    truth = rho if method == "pearson" else 6 / np.pi * np.arcsin(rho / 2)  # Spearman of a bivariate normal
+    assert estimate.covers(truth)
+    fisher = np.tanh(np.arctanh(rho) + np.array([-1.96, 1.96]) / np.sqrt(n - 3))  # the textbook interval
+    assert estimate.high - estimate.low == pytest.approx(fisher[1] - fisher[0], rel=0.25)
+
+
+def test_correlation_skips_undefined_resamples_and_checks_its_input():
+    x = np.array([0.0, 0, 0, 1, 2, 3])
+    y = np.array([0.0, 0, 0, 0.5, 0.9, 1.2])
+    estimate = correlation(x, y, resamples=500)
+    assert estimate.value == pytest.approx(np.corrcoef(x, y)[0, 1]) and not np.isnan(estimate.low)
+    with pytest.raises(ValueError, match="method"):
+        correlation(x, y, "kendall")
+    with pytest.raises(ValueError, match="at least 3 pairs"):
+        correlation(x[:2], y[:2])
