@@ -1,10 +1,10 @@
-"""Does the training objective teach a model to use the right context? CE vs LongCE vs CDT.
+"""Does the training objective teach a model to use the right context? CE vs LongCE vs CDT vs LOGO.
 
-Each objective fine-tunes its own fresh copy of the model (same torch seed, same training
-samples in the same order, AdamW with the same settings, gradient-norm clipping) on synthetic
-1-hop stories (``multihop-1``: one supporting fact hidden among an interference fact, essay text
-and emoji). Every loss is on the teacher-forced answer tokens only, averaged over the ``--batch``
-samples of a step:
+Each objective fine-tunes its own fresh copy of the model, once per seed (``--seeds``: a seed
+seeds torch and shuffles the training samples, so all objectives of a seed see the same samples in
+the same order; AdamW with the same settings, gradient-norm clipping) on synthetic 1-hop stories
+(``multihop-1``: one supporting fact hidden among 1-2 interference facts, essay text and emoji).
+Every loss is on the teacher-forced answer only, averaged over the ``--batch`` samples of a step:
 
 - ``ce``: mean cross-entropy of the answer tokens (:func:`probe.target_loss`);
 - ``longce``: LongCE (seed 000, eqs. 6–7) on the answer tokens,
@@ -23,6 +23,18 @@ samples of a step:
   embeddings (``relative_shift`` = ‖E' − E‖ / ‖E‖ over the moved tokens) and the share of context
   tokens flagged critical. At fine-tuning learning rates the move is negligible (SmolLM2, lr 2e-5:
   ~1e-5 of the embedding norm) and CDT trains like CE; ``--cdt-lr`` tries larger steps.
+- ``logo``: LOGO (seed 003, eqs. 2–3), :func:`probe.objectives.logo_loss` on
+  :func:`probe.objectives.sequence_logprob`: the preferred response y_w is the gold answer, the M
+  dispreferred responses y_l are the answers of the sample's interference facts
+  (:func:`interference_answers`: "Fred went to the garden." → garden, "Fred took the apple." →
+  apple; M = 1 or 2 here, the paper's M = 2 came from generations on irrelevant chunks), each
+  tokenized as the answer is. β, γ (``--logo-beta``, ``--logo-gamma``) default to the paper's
+  Llama-3-8B setting 10, 3 (SmolLM2 is a Llama), λ (``--logo-sft``) to 0.1. An interference fact
+  may name the gold answer itself (training sample 0: "Sandra travelled to the kitchen." beside
+  "John journeyed to the kitchen."): that y_l equals y_w, its reward difference is exactly 0 and
+  only dilutes the margin — with it alone the sample trains by the SFT term only.
+  ``objectives_training.csv`` records the dispreferred answers and the reward margin
+  r(y_w) − 1/M Σ r(y_l), r(y) = β/|y| log π(y|x) (the paper's Fig. 6b).
 
 Before (the base model) and after each fine-tuning, on held-out samples (other seeds): greedy
 accuracy, the answer's teacher-forced NLL, and the attention mass from the rows predicting the
@@ -31,21 +43,36 @@ summed over those tokens, mean over heads, rows and all layers (one forward pass
 :func:`probe.denoise.answer_attention`).
 
 Writes ``objectives.png`` + ``objectives.csv`` (one row per held-out sample and model, with the
-settings and the wall time) and ``objectives_training.csv`` (every training sample's loss).
+settings, the torch seed — empty for the base model — and the job's wall time) and
+``objectives_training.csv`` (every training sample's loss, per objective and torch seed).
 
     python -m analyses.objectives --quick     # 256 tokens, 12 steps × 2 samples, 8 held-out samples
-                                              # (19 min here, sharing 2 cores with 3 other jobs)
+                                              # (CE/LongCE/CDT: 19 min here, sharing 2 cores with 3
+                                              # other jobs; LOGO adds a run)
     python -m analyses.objectives             # 512 tokens, 32 steps × 4 samples, 24 held-out samples
+    python -m analyses.objectives --claims    # the claims' budget: SmolLM2 at 256 tokens, 200 steps
+                                              # × 4 new samples, 64 held-out samples, seeds 0 1 2
+    python -m analyses.objectives --objectives ce logo --seeds 0 1 --resume   # goes on after a kill
+    accelerate launch --multi_gpu --num_processes 8 -m analyses.objectives --claims   # 8 GPUs
+
+A sweep (:mod:`analyses.sweep`): one job evaluates the base model, one job per (objective, torch
+seed) fine-tunes and evaluates; they run unchanged under ``accelerate launch``, split across the
+processes. Each finished job is kept as a part (``OUT/.objectives_parts``) until the outputs are
+written; ``--resume`` keeps the parts of a killed run and runs only the missing jobs.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import re
+import shutil
 import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import seaborn as sns
 import torch
@@ -53,30 +80,65 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
+from analyses.sweep import Tables, sweep
 from probe import tasks
 from probe.capture import check_layers
 from probe.denoise import answer_attention, category_mass
 from probe.generation import answer
-from probe.objectives import cdt_loss, longce_target_loss
+from probe.objectives import cdt_loss, logo_loss, longce_target_loss, sequence_logprob
 
 NAME = "objectives"
 TASK = "multihop-1"
-OBJECTIVES = {"ce": "CE", "longce": "LongCE", "cdt": "CDT"}
+OBJECTIVES = {"ce": "CE", "longce": "LongCE", "cdt": "CDT", "logo": "LOGO"}
 EVAL_SEED_OFFSET = 10_000  # held-out samples use seeds 10000 + i; training samples seeds 0 … n − 1
 METRICS = {
     "correct": "greedy accuracy",
     "attention_supporting": "attention mass on supporting facts",
     "answer_nll": "answer NLL (nats / token)",
 }
+FACT_ANSWER = re.compile(r"\bthe (\w+)\.$")  # a story fact's last noun: "Fred went to the garden." → garden
 
 
-def objective_loss(name: str, model, sample: tasks.Sample, args: argparse.Namespace):
+def interference_answers(sample: tasks.Sample) -> list[str]:
+    """The answers of ``sample``'s interference facts, each once, in text order: what each fact
+    names last — the place a character went to, or the object taken or dropped
+    (:mod:`probe.tasks.story`). These are LOGO's dispreferred responses; one may equal the gold answer.
+
+    Raises ``ValueError`` for a sample without interference facts and for a fact that names no
+    answer (not a story fact: another task's distractor).
+    """
+    facts = sample.span_text("interference")
+    where = f"the {sample.task} sample of seed {sample.seed}"
+    if not facts:
+        raise ValueError(f"{where} has no interference facts (their answers are LOGO's dispreferred ones)")
+    found = [FACT_ANSWER.search(fact) for fact in facts]
+    unanswered = [fact for fact, match in zip(facts, found, strict=True) if match is None]
+    if unanswered:
+        raise ValueError(
+            f"the interference facts {unanswered} of {where} name no answer (a story fact ends in "
+            "'the <place or object>.'); LOGO needs an answer per interference fact"
+        )
+    return list(dict.fromkeys(match.group(1) for match in found))
+
+
+def response_ids(sample: tasks.Sample, tokenizer, text: str) -> torch.Tensor:
+    """LongTensor[tokens]: ``text`` as a response to ``sample``'s prompt, tokenized as the gold answer
+    is (after the same separator, e.g. " garden"); for ``sample.answer`` these are the sample's
+    answer tokens with every tokenizer whose words start a new token after a space."""
+    (spoken,) = sample.span_text("answer")  # the answer separator + the answer
+    separator = spoken[: len(spoken) - len(sample.answer)]
+    return torch.tensor(tokenizer(separator + text, add_special_tokens=False).input_ids)
+
+
+def objective_loss(name: str, model, tokenizer, sample: tasks.Sample, args: argparse.Namespace):
     """(loss with gradients, diagnostics dict) of objective ``name`` on one training sample."""
     ids, targets = sample.input_ids[None], sample.target_positions
     if name == "ce":
         return probe.target_loss(model, ids, targets), {}
     if name == "longce":
         return longce_target_loss(model, ids, targets, K=args.longce_k, gamma=args.gamma), {}
+    if name == "logo":
+        return logo_sample_loss(model, tokenizer, sample, args)
     result = cdt_loss(model, ids, targets, lr=args.cdt_lr, beta=args.beta, context=sample.prompt_length)
     embeds = model.get_input_embeddings()(ids)[0].detach()
     moved = result.shift.norm(dim=-1) > 0
@@ -86,17 +148,43 @@ def objective_loss(name: str, model, sample: tasks.Sample, args: argparse.Namesp
     }
 
 
-def finetune(base, name: str, samples: list[tasks.Sample], args: argparse.Namespace):
-    """A fine-tuned copy of ``base`` (eval mode) and the training log rows."""
-    torch.manual_seed(args.seed)
+def logo_sample_loss(model, tokenizer, sample: tasks.Sample, args: argparse.Namespace):
+    """(LOGO loss, diagnostics) of one sample: y_w = the gold answer, y_l = :func:`interference_answers`.
+
+    1 + M passes over prompt + response (:func:`probe.objectives.sequence_logprob`), then
+    :func:`probe.objectives.logo_loss` with batch 1. Diagnostics: the dispreferred answers
+    (space-separated) and the reward margin r(y_w) − 1/M Σ_j r(y_l^(j)), r(y) = β/|y| log π(y|x).
+    """
+    others, prompt = interference_answers(sample), sample.prompt_ids
+    chosen, chosen_length = sequence_logprob(model, prompt, sample.input_ids[sample.target_positions])
+    pairs = [sequence_logprob(model, prompt, response_ids(sample, tokenizer, other)) for other in others]
+    rejected = torch.stack([logp for logp, _ in pairs])[None]  # [1, M]
+    lengths = [[length for _, length in pairs]]
+    loss = logo_loss(
+        chosen[None], [chosen_length], rejected, lengths, args.logo_beta, args.logo_gamma, args.logo_sft
+    )
+    rewards = [args.logo_beta * logp.item() / length for logp, length in [(chosen, chosen_length), *pairs]]
+    return loss, {"dispreferred": " ".join(others), "reward_margin": rewards[0] - np.mean(rewards[1:])}
+
+
+def finetune(base, name: str, seed: int, tokenizer, samples: list[tasks.Sample], args: argparse.Namespace):
+    """A copy of ``base`` fine-tuned with objective ``name`` (eval mode), and the training log rows
+    (one per training sample of each step).
+
+    ``seed`` seeds torch (dropout, where a model has any: SmolLM2 and Gemma 3 have none) and
+    shuffles the order of ``samples``, which the steps then cycle through ``--batch`` at a time:
+    runs with the same seed see the same samples in the same order, whatever the objective.
+    """
+    torch.manual_seed(seed)
+    order = np.random.default_rng(seed).permutation(len(samples))
     model = copy.deepcopy(base).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     log = []
-    for step in tqdm(range(args.steps), desc=f"{NAME}: {name}", leave=False):
+    for step in tqdm(range(args.steps), desc=f"{NAME}: {name}, seed {seed}", leave=False):
         optimizer.zero_grad()
         for i in range(args.batch):
-            sample = samples[(step * args.batch + i) % len(samples)]
-            loss, diagnostics = objective_loss(name, model, sample, args)
+            sample = samples[order[(step * args.batch + i) % len(samples)]]
+            loss, diagnostics = objective_loss(name, model, tokenizer, sample, args)
             (loss / args.batch).backward()
             log.append(
                 {"objective": name, "step": step, "seed": sample.seed, "loss": loss.item(), **diagnostics}
@@ -127,31 +215,27 @@ def evaluate(model, tokenizer, samples: list[tasks.Sample]) -> list[dict]:
 
 
 def plot(results: pd.DataFrame) -> plt.Figure:
-    """One panel per metric: the base model and each fine-tuned model, mean over held-out samples."""
-    data = results.melt(id_vars=["model_label"], value_vars=list(METRICS), var_name="metric")
-    data["metric"] = data.metric.map(METRICS)
-    grid = sns.catplot(
-        data=data,
-        x="model_label",
-        y="value",
-        col="metric",
-        col_order=list(METRICS.values()),
-        hue="model_label",
-        kind="bar",
-        sharey=False,
-        height=3.4,
-        aspect=0.9,
-        errorbar=("ci", 95),
-    )
-    grid.set_titles("{col_name}")
-    grid.set_axis_labels("", "")
+    """One panel per metric: the base model and each fine-tuned model, mean over held-out samples
+    and torch seeds (95% CI); with several seeds, one dot per seed's mean."""
+    labels = list(results.model_label.unique())
+    seeds = results.torch_seed.dropna().unique()
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(len(METRICS) * (1.2 + 0.6 * len(labels)), 3.6))
+    for ax, (metric, title) in zip(axes, METRICS.items(), strict=True):
+        sns.barplot(results, x="model_label", y=metric, hue="model_label", order=labels, hue_order=labels,
+                    errorbar=("ci", 95), seed=0, ax=ax)  # fmt: skip
+        if len(seeds) > 1:
+            per_seed = results.groupby(["model_label", "torch_seed"])[metric].mean().reset_index()
+            sns.stripplot(per_seed, x="model_label", y=metric, order=labels, color="black", size=4, ax=ax)
+        ax.set(title=title, xlabel="", ylabel="")
+        ax.tick_params(axis="x", rotation=30)
     first = results.iloc[0]
-    grid.figure.suptitle(
+    fig.suptitle(
         f"{first.model}, {TASK} at {first.length} tokens: {first.steps} AdamW steps × {first.batch} samples "
-        f"(lr {first.lr:g}) per objective; mean over {results.seed.nunique()} held-out samples, 95% CI",
-        y=1.04,
+        f"(lr {first.lr:g}) per objective and seed\nmean over {results.seed.nunique()} held-out samples × "
+        f"{max(len(seeds), 1)} seed(s), 95% CI" + ("; dots: each seed's mean" if len(seeds) > 1 else ""),
     )
-    return grid.figure
+    fig.tight_layout()
+    return fig
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -163,7 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--length", type=int, default=512, help="prompt length in tokens")
     parser.add_argument("--train-samples", type=int, default=32, help="training samples (seeds 0 … n − 1)")
     parser.add_argument("--steps", type=int, default=32, help="optimizer steps")
-    parser.add_argument("--batch", type=int, default=4, help="samples per step (cycling through them)")
+    parser.add_argument("--batch", type=int, default=4, help="samples per step (cycling, shuffled per seed)")
     parser.add_argument("--eval-samples", type=int, default=24, help="held-out samples (seeds 10000 + i)")
     parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping")
@@ -173,14 +257,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gamma", type=float, default=5.0, help="LongCE weight cap γ (eq. 7)")
     parser.add_argument("--beta", type=float, default=5.0, help="CDT denoising level β (eq. 2)")
     parser.add_argument("--cdt-lr", type=float, default=None, help="CDT's lr in eq. 2 (default: --lr)")
-    parser.add_argument("--seed", type=int, default=0, help="torch seed of every fine-tuning run")
+    parser.add_argument("--logo-beta", type=float, default=10.0, help="LOGO reward scale β (eq. 2)")
+    parser.add_argument("--logo-gamma", type=float, default=3.0, help="LOGO target reward margin γ (eq. 2)")
+    parser.add_argument("--logo-sft", type=float, default=0.1, help="LOGO SFT weight λ (eq. 3)")
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=[0], help="torch seeds: a fine-tuning per objective and seed"
+    )
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--quick", action="store_true", help="256 tokens, 8 + 8 samples, 12 steps of 2")
+    parser.add_argument(
+        "--claims",
+        action="store_true",
+        help="the claims' budget: smollm2-135m, 256 tokens, all objectives, 200 steps of 4 new samples "
+        "(800 training samples), 64 held-out samples, seeds 0 1 2",
+    )
+    parser.add_argument("--resume", action="store_true", help="keep the jobs a killed run finished")
     args = parser.parse_args(argv)
     if args.quick:
         args.length, args.train_samples, args.steps, args.batch, args.eval_samples = 256, 8, 12, 2, 8
+    if args.claims:
+        args.model, args.objectives, args.seeds = "smollm2-135m", list(OBJECTIVES), [0, 1, 2]
+        args.length, args.train_samples, args.steps, args.batch, args.eval_samples = 256, 800, 200, 4, 64
     if min(args.train_samples, args.steps, args.batch, args.eval_samples) < 1:
         parser.error("--train-samples, --steps, --batch and --eval-samples must be at least 1")
+    if args.train_samples > EVAL_SEED_OFFSET:
+        parser.error(f"--train-samples must be at most {EVAL_SEED_OFFSET} (held-out seeds start there)")
+    if len(set(args.seeds)) < len(args.seeds) or len(set(args.objectives)) < len(args.objectives):
+        parser.error("--seeds and --objectives must not repeat")
     if args.length < 64:
         parser.error("--length must be at least 64 tokens")
     args.longce_k = args.longce_k or args.length // 4
@@ -188,48 +291,66 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run(base, tokenizer, args: argparse.Namespace) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(results, training log) of the whole comparison for parsed ``args``, settings in every row.
+def settings(args: argparse.Namespace) -> dict:
+    """The settings every output row carries."""
+    names = ["length", "train_samples", "steps", "batch", "lr", "clip", "longce_k", "gamma", "beta", "cdt_lr",
+             "logo_beta", "logo_gamma", "logo_sft"]  # fmt: skip
+    return dict(model=Path(args.model).name, task=TASK, **{name: getattr(args, name) for name in names})
 
-    ``results``: one row per held-out sample and model (the base model, then each objective's).
+
+def run_job(
+    base,
+    tokenizer,
+    train: list[tasks.Sample],
+    held_out: list[tasks.Sample],
+    args: argparse.Namespace,
+    job: tuple,
+) -> Tables:
+    """One sweep job: ``("none",)`` evaluates the base model, ``(objective, torch seed)`` fine-tunes a
+    fresh copy of it (:func:`finetune`) and evaluates that.
+
+    Tables: ``results`` (one row per held-out sample, :func:`evaluate`) and, for a fine-tuning,
+    ``training`` (its log), each row with the :func:`settings`, the seed (``torch_seed``; ``None``
+    for the base model) and the job's wall time.
     """
     started = time.perf_counter()
+    objective, *seed = job
+    model, log, torch_seed = base, [], None
+    if objective != "none":
+        (torch_seed,) = seed
+        model, log = finetune(base, objective, torch_seed, tokenizer, train, args)
+    label = OBJECTIVES.get(objective, "base model")
+    rows = [dict(objective=objective, model_label=label, **r) for r in evaluate(model, tokenizer, held_out)]
+    common = dict(settings(args), torch_seed=torch_seed, wall_s=round(time.perf_counter() - started, 1))
+    tables = {"results": pd.DataFrame(rows).assign(**common)}
+    return tables | ({"training": pd.DataFrame(log).assign(**common)} if log else {})
+
+
+def compare(
+    base, tokenizer, args: argparse.Namespace, parts: Path
+) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """(results, training log) of the base model and every (objective, torch seed) of ``args``,
+    jobs split across accelerate's processes (:func:`analyses.sweep.sweep`, parts in ``parts``);
+    ``None`` on the processes other than the main one.
+
+    ``results``: one row per held-out sample and model, the base model first, then each seed's
+    objectives; ``torch_seed`` is a nullable integer (empty for the base model).
+    """
     train = [tasks.make(TASK, tokenizer, args.length, seed=i) for i in range(args.train_samples)]
     held_out = [
         tasks.make(TASK, tokenizer, args.length, seed=EVAL_SEED_OFFSET + i) for i in range(args.eval_samples)
     ]
-    rows = [
-        dict(objective="none", model_label="base model", **r) for r in evaluate(base, tokenizer, held_out)
-    ]
-    log = []
-    for name in args.objectives:
-        model, steps = finetune(base, name, train, args)
-        rows += [
-            dict(objective=name, model_label=OBJECTIVES[name], **r)
-            for r in evaluate(model, tokenizer, held_out)
-        ]
-        log += steps
-        del model
-    settings = dict(
-        model=Path(args.model).name,
-        task=TASK,
-        length=args.length,
-        train_samples=args.train_samples,
-        steps=args.steps,
-        batch=args.batch,
-        lr=args.lr,
-        clip=args.clip,
-        longce_k=args.longce_k,
-        gamma=args.gamma,
-        beta=args.beta,
-        cdt_lr=args.cdt_lr,
-        torch_seed=args.seed,
-        wall_s=round(time.perf_counter() - started, 1),
-    )
-    return pd.DataFrame(rows).assign(**settings), pd.DataFrame(log).assign(**settings)
+    jobs = [("none",)] + [(name, seed) for seed in args.seeds for name in args.objectives]
+    run = functools.partial(run_job, base, tokenizer, train, held_out, args)
+    found = sweep(jobs, run, parts, args.resume, desc=NAME)
+    if found is None:
+        return None
+    return found["results"].astype({"torch_seed": "Int64"}), found["training"]
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
+    """Run the comparison and write its outputs; returns the results table (empty on the processes
+    of an ``accelerate launch`` other than the main one)."""
     args = parse_args(argv)
     base, tokenizer = probe.load_model(args.model)
     context = base.config.get_text_config().max_position_embeddings
@@ -237,11 +358,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         raise SystemExit(
             f"--length {args.length} (+ the answer) exceeds {args.model}'s context of {context} tokens"
         )
-    results, training = run(base, tokenizer, args)
+    parts = args.out / f".{NAME}_parts"
+    found = compare(base, tokenizer, args, parts)
+    if found is None:  # not the main process of an accelerate launch: it writes the outputs
+        return pd.DataFrame()
+    results, training = found
     atomic_write(args.out / f"{NAME}_training.csv", lambda tmp: training.to_csv(tmp, index=False))
     save_figure(plot(results), results, args.out, NAME)
+    shutil.rmtree(parts, ignore_errors=True)
     summary = results.groupby("model_label", sort=False)[[*METRICS, "attention_interference"]].mean()
-    print(f"{summary.round(4).to_string()}\n\nwall time {results.wall_s.iloc[0]} s")
+    wall = results.drop_duplicates(["objective", "torch_seed"]).wall_s.sum()
+    print(f"{summary.round(4).to_string()}\n\nwall time of the jobs {wall:.0f} s")
     return results
 
 

@@ -215,6 +215,7 @@ def study_group(study: Study, panel: str, n_layers: int, residual: bool) -> dict
                 residual=residual,
                 seed=network.seed,
                 setting=network.setting,
+                steps=study.preset.steps,
             )
         )
         states.append({**dataclasses.asdict(network), "state": model.state_dict()})
@@ -255,7 +256,7 @@ def controlled_study(
 
 def with_paper(gaps: pd.DataFrame) -> pd.DataFrame:
     """Our gaps (one row per seed) beside the paper's, long form with a ``source`` column."""
-    ours = gaps[["panel", "setting", "depth", "residual", "pair", "seed", "gap"]]
+    ours = gaps[["panel", "setting", "depth", "residual", "pair", "seed", "steps", "gap"]]
     paper = [
         {"panel": p, "setting": setting_name(n, r), "depth": n, "residual": r, "pair": pair, "gap": g}
         for (p, r, n), values in PAPER_GAPS.items()
@@ -625,7 +626,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser.add_argument("--seeds", type=int, nargs="+", help="one network per seed and setting")
     parser.add_argument("--n-layers", type=int, nargs="+", help="network sizes (layers) without residual")
     parser.add_argument("--residual-n-layers", type=int, nargs="+", help="network sizes with residual")
-    parser.add_argument("--pool", type=int, help="pre-drawn training batches per seed (= --steps: no repeats)")
+    parser.add_argument("--pool", type=int, help="pre-drawn training batches per seed (--steps: no repeats)")
     for old, new in (("--depths", "n_layers"), ("--residual-depths", "residual_n_layers")):
         parser.add_argument(old, dest=new, type=int, nargs="+", action=RenamedOption, help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="*", help="real models (none: skip the real-model part)")

@@ -18,38 +18,99 @@ Writes, per run, with the CSV behind each figure:
     python -m analyses.retrieval_heads --quick             # a few minutes
     python -m analyses.retrieval_heads --models gemma3-270m --lengths 1024 2048
     python -m analyses.retrieval_heads --reuse --ks 0 2 5     # new ablation, saved detections
+    accelerate launch --num_processes 2 --cpu -m analyses.retrieval_heads --quick   # two processes
+
+Runs unchanged under ``accelerate launch`` (:mod:`analyses.sweep`), model by model, in two sweeps:
+one job per detection trial (length, depth, needle seed), whose scores every process receives for
+the ranking, then one job per ablation sample (task, seed) running every ablated head set on it.
+Each finished job is kept as a part (``OUT/.retrieval_heads_parts``) until the outputs are
+written; ``--resume`` keeps the parts of a killed run and runs only the missing jobs. The outputs
+equal a single process's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
-from tqdm.auto import tqdm
 
 import probe
 from analyses.output import atomic_write, save_figure
+from analyses.sweep import Tables, is_main_process, sweep
 from probe import tasks
 from probe.generation import answer
 from probe.results import write_json
 
 NAME = "retrieval_heads"
 ABLATION_SEED = 1000  # ablation samples use seeds from here on: never the detection samples
+ACCURACY_KEYS = ["task", "ablated", "k", "draw", "heads"]  # one accuracy per ablated head set and task
+
+#: An ablated head set: (``"none" | "retrieval heads" | "random heads"``, k, random draw,
+#: the (layer, head) pairs zeroed).
+Condition = tuple[str, int, int, list[tuple[int, int]]]
 
 
-def detect(model, tokenizer, args: argparse.Namespace) -> probe.RetrievalScores:
-    """Retrieval scores over the grid lengths x depths x needles (seeds) of ``args.task``."""
-    samples = [
-        tasks.make(args.task, tokenizer, length, seed=seed, depth=depth)
-        for length in args.lengths
-        for depth in args.depths
-        for seed in range(args.needles)
-    ]
-    return probe.retrieval_scores(model, tokenizer, samples, progress=True)
+def detection_trial(model, tokenizer, args: argparse.Namespace, job: tuple) -> Tables:
+    """One detection job ``("detection", model label, length, depth, needle seed)``: the trial's
+    :class:`probe.RetrievalScores` (scores Tensor[1, layers, heads]) in a one-cell ``result`` table;
+    :meth:`probe.RetrievalScores.concat` joins the trials again."""
+    _, _, length, depth, seed = job
+    sample = tasks.make(args.task, tokenizer, length, seed=seed, depth=depth)
+    return {"result": pd.DataFrame({"result": [probe.retrieval_scores(model, tokenizer, [sample])]})}
+
+
+def conditions(
+    ranked: list[tuple[int, int]], ks: list[int], random_draws: int = 1, seed: int = 0
+) -> list[Condition]:
+    """The ablated head sets: none, then for each k > 0 the top k of ``ranked`` and ``random_draws``
+    sets of k random heads from outside the top max(ks) (drawn in that order from ``seed``): Wu et
+    al.'s (2024) comparison of masking retrieval heads against masking random heads.
+
+    ``ranked``: (layer, head) pairs, best retrieval score first.
+    """
+    top, others = ranked[: max(ks)], ranked[max(ks) :]
+    rng = np.random.default_rng(seed)
+    chosen: list[Condition] = [("none", 0, 0, [])]
+    for k in (k for k in ks if k > 0):
+        chosen.append(("retrieval heads", k, 0, top[:k]))
+        for draw in range(random_draws):
+            picked = rng.choice(len(others), size=min(k, len(others)), replace=False)
+            chosen.append(("random heads", k, draw, [others[i] for i in picked]))
+    return chosen
+
+
+def ablate_sample(model, tokenizer, sample: tasks.Sample, ablated: list[Condition]) -> pd.DataFrame:
+    """Greedy correctness of ``sample`` with each head set of ``ablated`` zeroed: one row per set
+    (task, seed, ablated, k, draw, heads as ``"layer-head ..."``, correct 0/1)."""
+    rows = []
+    for name, k, draw, heads in ablated:
+        with probe.ablate_heads(model, heads):
+            correct = sample.score(answer(model, tokenizer, sample))
+        labels = " ".join(f"{layer}-{head}" for layer, head in heads)
+        setting = dict(ablated=name, k=k, draw=draw, heads=labels)
+        rows.append(dict(task=sample.task, seed=sample.seed, **setting, correct=correct))
+    return pd.DataFrame(rows)
+
+
+def ablation_sample(
+    model, tokenizer, args: argparse.Namespace, ablated: list[Condition], job: tuple
+) -> Tables:
+    """One ablation job ``("ablation", model label, task, seed)``: :func:`ablate_sample` on that sample."""
+    _, _, task, seed = job
+    sample = tasks.make(task, tokenizer, args.ablation_length, seed=seed)
+    return {"rows": ablate_sample(model, tokenizer, sample, ablated)}
+
+
+def accuracy(rows: pd.DataFrame) -> pd.DataFrame:
+    """Greedy accuracy per task and ablated head set (mean of :func:`ablate_sample`'s ``correct``
+    over the samples), in the order the rows first name them."""
+    return rows.groupby(ACCURACY_KEYS, sort=False).correct.mean().rename("accuracy").reset_index()
 
 
 def ablation(
@@ -66,27 +127,16 @@ def ablation(
     """Greedy accuracy with the top-k heads of ``ranked`` ablated vs k random heads outside the top max(ks).
 
     ``ranked``: (layer, head) pairs, best retrieval score first. Samples use seeds from
-    ``ABLATION_SEED`` on, at random depths. One row per (task, ablated set, k, draw).
+    ``ABLATION_SEED`` on, at random depths. One row per (task, ablated set, k, draw), in one
+    process (``main`` spreads the same samples over a sweep).
     """
-    top, others = ranked[: max(ks)], ranked[max(ks) :]
-    rng = np.random.default_rng(seed)
-    conditions = [("none", 0, 0, [])]
-    for k in (k for k in ks if k > 0):
-        conditions.append(("retrieval heads", k, 0, top[:k]))
-        for draw in range(random_draws):
-            chosen = rng.choice(len(others), size=min(k, len(others)), replace=False)
-            conditions.append(("random heads", k, draw, [others[i] for i in chosen]))
-    rows = []
-    for task in task_names:
-        samples = [tasks.make(task, tokenizer, length, seed=ABLATION_SEED + i) for i in range(n_samples)]
-        for ablated, k, draw, chosen in tqdm(conditions, desc=f"ablation {task}"):
-            heads = " ".join(f"{layer}-{head}" for layer, head in chosen)
-            with probe.ablate_heads(model, chosen):
-                correct = [s.score(answer(model, tokenizer, s)) for s in samples]
-            rows.append(
-                dict(task=task, ablated=ablated, k=k, draw=draw, heads=heads, accuracy=np.mean(correct))
-            )
-    return pd.DataFrame(rows)
+    ablated = conditions(ranked, ks, random_draws, seed)
+    rows = [
+        ablate_sample(model, tokenizer, tasks.make(task, tokenizer, length, seed=ABLATION_SEED + i), ablated)
+        for task in task_names
+        for i in range(n_samples)
+    ]
+    return accuracy(pd.concat(rows, ignore_index=True))
 
 
 def plot_scores(scores: pd.DataFrame) -> plt.Figure:
@@ -139,6 +189,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random head draws")
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--reuse", action="store_true", help="read detections already in --out")
+    parser.add_argument("--resume", action="store_true", help="keep the jobs a killed run finished")
     parser.add_argument("--quick", action="store_true", help="512 tokens, 3 depths, 6 ablation samples")
     args = parser.parse_args(argv)
     if args.quick:
@@ -151,23 +202,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def detected(
-    model, tokenizer, label: str, args: argparse.Namespace
+    model, tokenizer, label: str, args: argparse.Namespace, parts: Path
 ) -> tuple[probe.RetrievalScores, pd.DataFrame]:
-    """Detection for one model, written as soon as it is done (JSON + trials CSV); with ``--reuse``
-    read back from ``--out`` instead when both files are there."""
+    """Detection for one model, on every process: one sweep job per trial of the grid lengths x
+    depths x needles (seeds) of ``args.task``. The main process writes the JSON and the trials CSV
+    as soon as it is done; with ``--reuse`` both are read back from ``--out`` instead when there."""
     scores_file, trials_file = args.out / f"{NAME}_{label}.json", args.out / f"{NAME}_{label}_trials.csv"
     if args.reuse and scores_file.exists() and trials_file.exists():
         return probe.RetrievalScores.load(scores_file), pd.read_csv(trials_file)
-    result = detect(model, tokenizer, args)
+    jobs = [
+        ("detection", label, length, depth, seed)
+        for length in args.lengths
+        for depth in args.depths
+        for seed in range(args.needles)
+    ]
+    run = functools.partial(detection_trial, model, tokenizer, args)
+    found = sweep(jobs, run, parts, args.resume, desc=f"detection {label}", everywhere=True)
+    result = probe.RetrievalScores.concat(list(found["result"].result))
     trials = result.trials.assign(model=label)
-    write_json(scores_file, result.to_json())
-    atomic_write(trials_file, lambda tmp: trials.to_csv(tmp, index=False))
+    if is_main_process():
+        write_json(scores_file, result.to_json())
+        atomic_write(trials_file, lambda tmp: trials.to_csv(tmp, index=False))
     return result, trials
 
 
 def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Run detection and ablation for every model; returns (scores, ablation) tables."""
+    """Run detection and ablation for every model; returns (scores, ablation) tables (empty ones on
+    the processes of an ``accelerate launch`` other than the main one)."""
     args = parse_args(argv)
+    parts = args.out / f".{NAME}_parts"
     scores, ablations = [], []
     for name in args.models:
         model, tokenizer = probe.load_model(name)
@@ -175,20 +238,30 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         if max(args.lengths + [args.ablation_length]) > context:
             raise SystemExit(f"--lengths / --ablation-length exceed {name}'s context of {context} tokens")
         label = Path(name).name
-        result, trials = detected(model, tokenizer, label, args)
+        result, trials = detected(model, tokenizer, label, args, parts)
         scores.append(result.to_frame().assign(model=label))
-        print(f"{label}: {trials.correct.mean():.0%} of {len(trials)} trials correct; LOGO retrieval score "
-              f"{result.logo_score():.3f}; top heads\n{result.top(5).round(3).to_string(index=False)}")
+        if is_main_process():
+            top = result.top(5).round(3).to_string(index=False)
+            print(f"{label}: {trials.correct.mean():.0%} of {len(trials)} trials correct; LOGO retrieval "
+                  f"score {result.logo_score():.3f}; top heads\n{top}")
         ranked = list(result.to_frame()[["layer", "head"]].itertuples(index=False, name=None))
-        table = ablation(
-            model, tokenizer, ranked, args.ablation_tasks, args.ablation_length, args.ablation_samples,
-            args.ks, args.random_draws, args.seed,
-        )
-        ablations.append(table.assign(model=label))
+        ablated = conditions(ranked, args.ks, args.random_draws, args.seed)
+        jobs = [
+            ("ablation", label, task, ABLATION_SEED + i)
+            for task in args.ablation_tasks
+            for i in range(args.ablation_samples)
+        ]
+        run = functools.partial(ablation_sample, model, tokenizer, args, ablated)
+        found = sweep(jobs, run, parts, args.resume, desc=f"ablation {label}")
+        if found is not None:  # None: not the main process of an accelerate launch
+            ablations.append(accuracy(found["rows"]).assign(model=label))
 
+    if not is_main_process():  # the main process writes the outputs
+        return pd.DataFrame(), pd.DataFrame()
     scores, ablations = pd.concat(scores, ignore_index=True), pd.concat(ablations, ignore_index=True)
     save_figure(plot_scores(scores), scores, args.out, f"{NAME}_scores")
     save_figure(plot_ablation(ablations), ablations, args.out, f"{NAME}_ablation")
+    shutil.rmtree(parts, ignore_errors=True)
     print(ablations.drop(columns="heads").to_string(index=False))
     return scores, ablations
 

@@ -1,9 +1,10 @@
 """Confidence intervals for the claims table: percentile bootstrap over samples, seeds or variants.
 
-Every number the README compares with a paper comes with a 95 % interval from
-:func:`scipy.stats.bootstrap` (``method="percentile"``: robust for the small, bounded samples we
-have — accuracies of a few samples, gaps of five seeds); :func:`correlation` resamples (x, y) pairs
-together. An :class:`Estimate` keeps what the interval is over, so a table can say it.
+Every number the README compares with a paper comes with a 95 % percentile interval of the
+resampled statistic drawn by :func:`scipy.stats.bootstrap` (percentiles: robust for the small,
+bounded samples we have — accuracies of a few samples, gaps of a few seeds); :func:`correlation`
+resamples (x, y) pairs together. An :class:`Estimate` keeps what the interval is over, so a table
+can say it.
 """
 
 from __future__ import annotations
@@ -38,60 +39,82 @@ class Estimate:
 
 
 def bootstrap(
-    values,
-    statistic: Callable[[np.ndarray], float] = np.mean,
+    *columns,
+    statistic: Callable[..., float] = np.mean,
     over: str = "samples",
     resamples: int = 10_000,
     seed: int = 0,
 ) -> Estimate:
-    """``statistic(values)`` with its 95 % percentile-bootstrap interval over the units of ``values`` [n].
+    """``statistic(*columns)`` with its 95 % percentile-bootstrap interval over the units (rows) [n].
 
-    With fewer than two units, or units that are all equal, the interval is ``[value, value]`` for
-    constant data and NaN for a single unit (no spread to resample).
+    One column: ``bootstrap(accuracies)``. Several columns are resampled together, one unit a row:
+    ``bootstrap(correct, tokens, statistic=lambda c, t: c.sum() / t.sum())``. Units with a NaN are
+    dropped; a resample on which the statistic is undefined (NaN, e.g. a correlation of a constant
+    resample) is left out of the percentiles. A single unit has no interval (NaN); units that are
+    all equal give ``[value, value]``.
     """
-    values = np.asarray(values, dtype=float)
-    values = values[~np.isnan(values)]
-    if len(values) == 0:
+    columns = [np.asarray(column, dtype=float) for column in columns]
+    if not columns or any(column.shape != columns[0].shape or column.ndim != 1 for column in columns):
+        raise ValueError("bootstrap needs one or more 1-D columns of one length")
+    kept = ~np.any([np.isnan(column) for column in columns], axis=0)
+    columns = [column[kept] for column in columns]
+    n = int(kept.sum())
+    if n == 0:
         raise ValueError("bootstrap needs at least one value that is not NaN")
-    value = float(statistic(values))
-    if len(values) < 2:
-        return Estimate(value, np.nan, np.nan, len(values), over)
-    if np.all(values == values[0]):
-        return Estimate(value, value, value, len(values), over)
-    result = stats.bootstrap(
-        (values,),
+    value = float(statistic(*columns))
+    if n < 2:
+        return Estimate(value, np.nan, np.nan, n, over)
+    if all(np.all(column == column[0]) for column in columns):
+        return Estimate(value, value, value, n, over)
+    draws = stats.bootstrap(
+        columns,
         statistic,
-        confidence_level=CONFIDENCE,
+        paired=True,
+        vectorized=False,
+        n_resamples=resamples,
+        method="percentile",  # only the draws are used; this skips BCa's jackknife
+        rng=np.random.default_rng(seed),
+    ).bootstrap_distribution
+    return Estimate(value, *percentile_interval(draws), n, over)
+
+
+def percentile_interval(draws: np.ndarray) -> tuple[float, float]:
+    """The central 95 % of bootstrap ``draws``, NaN draws left out."""
+    tail = 100 * (1 - CONFIDENCE) / 2
+    low, high = np.nanpercentile(draws, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def difference(a, b, over: str = "samples", resamples: int = 10_000, seed: int = 0) -> Estimate:
+    """mean(a) − mean(b) of two independent groups, each resampled on its own (95 % percentile interval)."""
+    a, b = (np.asarray(group, dtype=float) for group in (a, b))
+    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"difference needs at least 2 values per group, got {len(a)} and {len(b)}")
+    value = float(a.mean() - b.mean())
+    if np.ptp(a) == 0 and np.ptp(b) == 0:
+        return Estimate(value, value, value, len(a) + len(b), over)
+    draws = stats.bootstrap(
+        (a, b),
+        lambda x, y, axis=-1: x.mean(axis=axis) - y.mean(axis=axis),
         n_resamples=resamples,
         method="percentile",
         rng=np.random.default_rng(seed),
-    )
-    interval = result.confidence_interval
-    return Estimate(value, float(interval.low), float(interval.high), len(values), over)
+    ).bootstrap_distribution
+    return Estimate(value, *percentile_interval(draws), len(a) + len(b), over)
 
 
 def correlation(
     x, y, method: str = "pearson", over: str = "variants", resamples: int = 10_000, seed: int = 0
 ) -> Estimate:
-    """Pearson or Spearman r of paired ``x``, ``y`` [n] with its 95 % percentile-bootstrap interval.
-
-    Pairs are resampled together; a resample whose x or y is constant has no correlation and is left
-    out of the percentiles (``scipy.stats.bootstrap`` would make the whole interval NaN).
-    """
+    """Pearson or Spearman r of paired ``x``, ``y`` [n] with its bootstrap interval (pairs resampled)."""
     functions = {"pearson": stats.pearsonr, "spearman": stats.spearmanr}
     if method not in functions:
         raise ValueError(f"method must be one of {sorted(functions)}, got {method!r}")
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if x.shape != y.shape or x.ndim != 1 or len(x) < 3:
-        raise ValueError(f"x and y must be 1-D, of one length, at least 3 pairs; got {x.shape}, {y.shape}")
+    if len(x) != len(y) or len(x) < 3:
+        raise ValueError(f"x and y must be of one length, at least 3 pairs; got {len(x)} and {len(y)}")
 
-    def r(index: np.ndarray) -> float:
-        a, b = x[index], y[index]
+    def r(a: np.ndarray, b: np.ndarray) -> float:
         return np.nan if np.ptp(a) == 0 or np.ptp(b) == 0 else functions[method](a, b).statistic
 
-    value = float(r(np.arange(len(x))))
-    draws = np.random.default_rng(seed).integers(len(x), size=(resamples, len(x)))
-    values = np.array([r(index) for index in draws])
-    tail = 100 * (1 - CONFIDENCE) / 2
-    low, high = np.nanpercentile(values, [tail, 100 - tail])
-    return Estimate(value, float(low), float(high), len(x), over)
+    return bootstrap(x, y, statistic=r, over=over, resamples=resamples, seed=seed)

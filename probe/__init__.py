@@ -27,6 +27,7 @@ from probe.lsd import longppl, pool_longppl, token_lsd
 from probe.models import load_model, tiny_model, to_bridge
 from probe.planner import plan
 from probe.retrieval import RetrievalScores, retrieval_scores
+from probe.rope import rope_base
 
 __all__ = [
     "ActivationCache",
@@ -54,6 +55,7 @@ __all__ = [
     "plan",
     "pool_longppl",
     "retrieval_scores",
+    "rope_base",
     "target_loss",
     "tiny_model",
     "to_bridge",

@@ -139,6 +139,30 @@ class RetrievalScores:
             for head in range(self.scores.shape[2])
         }
 
+    @classmethod
+    def concat(cls, results: list[RetrievalScores]) -> RetrievalScores:
+        """The trials of ``results`` in order, as one result: scores Tensor[Σ trials, layers, heads].
+
+        Trials are scored independently, so :func:`retrieval_scores` on samples split into parts
+        and concatenated equals one call on all of them (how a sweep spreads the trials over
+        processes). The results must share their settings and [layers, heads] shape.
+        """
+        if not results:
+            raise ValueError("concat needs at least one RetrievalScores")
+        first = results[0]
+        for other in results[1:]:
+            if other.settings != first.settings or other.scores.shape[1:] != first.scores.shape[1:]:
+                raise ValueError(
+                    f"cannot concatenate results with settings {first.settings} and {other.settings}, "
+                    f"[layers, heads] {list(first.scores.shape[1:])} and {list(other.scores.shape[1:])}"
+                )
+        return cls(
+            torch.cat([r.scores for r in results]),
+            pd.concat([r.trials for r in results], ignore_index=True),
+            dict(first.settings),
+            [argmax for r in results for argmax in r.argmax],
+        )
+
     def save(self, path: str | Path) -> None:
         """Write scores, trials, settings and argmax as JSON, atomically; :meth:`load` reads them back.
 

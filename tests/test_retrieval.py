@@ -176,6 +176,21 @@ def test_save_and_load_round_trip_everything(tokenizer, niah, tmp_path):
     assert loaded.to_json() == result.to_json() and not list(tmp_path.glob(".*tmp*"))
 
 
+def test_concat_of_single_trials_equals_one_call_on_all(tokenizer, niah):
+    (needle,) = needle_answer_positions(niah)
+    model = copying_model(len(tokenizer), niah.prompt_length - 1 - int(needle[0]))
+    samples = [niah, tasks.make("passkey", tokenizer, 200, seed=1, depth=0.1)]
+    whole = probe.retrieval_scores(model, tokenizer, samples)
+    joined = RetrievalScores.concat([probe.retrieval_scores(model, tokenizer, [s]) for s in samples])
+    assert torch.equal(joined.scores, whole.scores) and joined.settings == whole.settings
+    pd.testing.assert_frame_equal(joined.trials, whole.trials)
+    assert all(torch.equal(a, b) for a, b in zip(joined.argmax, whole.argmax, strict=True))
+    assert joined.to_json() == whole.to_json()
+    other = RetrievalScores(whole.scores, whole.trials, {**whole.settings, "require_correct": False})
+    with pytest.raises(ValueError, match="cannot concatenate"):
+        RetrievalScores.concat([whole, other])
+
+
 def test_to_frame_is_one_row_per_head_with_the_mean_best_first():
     scores = torch.tensor([[[0.1, 0.4], [0.0, 0.5]], [[0.3, 0.2], [0.1, 0.9]]])  # [trials, 2 layers, 2 heads]
     result = RetrievalScores(scores, pd.DataFrame({"correct": [1.0, 1.0]}), {"require_correct": True})

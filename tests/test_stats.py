@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from analyses.stats import Estimate, bootstrap, correlation
+from analyses.stats import Estimate, bootstrap, correlation, difference
 
 
 def test_the_mean_interval_has_the_normal_width_and_covers_95_percent():
@@ -18,13 +18,26 @@ def test_the_mean_interval_has_the_normal_width_and_covers_95_percent():
 
 def test_other_statistics_constant_data_and_single_values():
     rng = np.random.default_rng(2)
-    median = bootstrap(rng.exponential(1.0, 2000), statistic=np.median)
+    median = bootstrap(rng.exponential(1.0, 2000), statistic=np.median, resamples=2000)
     assert median.covers(np.log(2)) and median.high - median.low < 0.15
     assert bootstrap([1.0, 1.0, 1.0]) == Estimate(1.0, 1.0, 1.0, 3)
     single = bootstrap([0.4, np.nan], over="seeds")
     assert single.value == 0.4 and np.isnan(single.low) and single.n == 1 and "n = 1 seeds" in str(single)
     with pytest.raises(ValueError, match="at least one value"):
         bootstrap([np.nan])
+
+
+def test_columns_are_resampled_together_as_units():
+    """A ratio of sums over samples of different sizes: the interval of the pooled rate."""
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(5, 50, 300).astype(float)
+    correct = rng.binomial(tokens.astype(int), 0.3).astype(float)
+    rate = bootstrap(correct, tokens, statistic=lambda c, t: c.sum() / t.sum(), resamples=2000)
+    assert rate.value == pytest.approx(correct.sum() / tokens.sum()) and rate.covers(0.3)
+    binomial = 2 * 1.96 * np.sqrt(0.3 * 0.7 / tokens.sum())
+    assert rate.high - rate.low == pytest.approx(binomial, rel=0.2)
+    with pytest.raises(ValueError, match="one length"):
+        bootstrap([1.0, 2.0], [1.0])
 
 
 @pytest.mark.parametrize("method", ["pearson", "spearman"])
@@ -48,3 +61,15 @@ def test_correlation_skips_undefined_resamples_and_checks_its_input():
         correlation(x, y, "kendall")
     with pytest.raises(ValueError, match="at least 3 pairs"):
         correlation(x[:2], y[:2])
+
+
+def test_difference_of_two_independent_groups_has_the_welch_width():
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(1.0, 1.0, 300), rng.normal(0.5, 2.0, 200)
+    estimate = difference(a, b, resamples=4000)
+    assert estimate.value == pytest.approx(a.mean() - b.mean()) and estimate.covers(0.5) and estimate.n == 500
+    welch = 2 * 1.96 * np.sqrt(1.0 / 300 + 4.0 / 200)
+    assert estimate.high - estimate.low == pytest.approx(welch, rel=0.1)
+    assert difference([1, 1], [0, 0]) == Estimate(1.0, 1.0, 1.0, 4)
+    with pytest.raises(ValueError, match="2 values per group"):
+        difference([1.0], [0.0, 1.0])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analyses import objectives
 from analyses.sweep import part_name, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,25 +31,52 @@ def test_a_single_process_sweep_keeps_job_order_and_resumes(tmp_path):
     assert runs[3:] == [("a", 0)] and again["rows"].equals(found["rows"])
 
 
+def test_a_job_may_leave_a_table_out_and_everywhere_returns_the_tables(tmp_path):
+    def run(job):
+        rows = {"rows": pd.DataFrame({"job": [job[0]]})}
+        return rows if job[0] == "base" else rows | {"log": pd.DataFrame({"job": [job[0]], "step": [1]})}
+
+    found = sweep([("base",), ("ce",), ("cdt",)], run, tmp_path / "parts", everywhere=True)
+    assert found["rows"].job.tolist() == ["base", "ce", "cdt"] and found["log"].job.tolist() == ["ce", "cdt"]
+    assert found["log"].step.dtype == "int64"  # no empty frame upcasts the columns
+
+
+def run_module(module: str, argv: list[str], out: Path, processes: int = 1) -> None:
+    """``python -m module argv --out out``, or the same on ``processes`` CPU processes (gloo) under
+    ``accelerate launch``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", module]
+    if processes > 1:
+        launch = ["--num_processes", str(processes), "--num_machines", "1", "--cpu",
+                  "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+        command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", module]
+    command = [*command, *argv, "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_two_processes_write_exactly_the_rows_of_one(tiny_model_folder, tmp_path):
     """The main job on two CPU processes (gloo) under ``accelerate launch``, against one process."""
     argv = ["--model", str(tiny_model_folder), "--length", "160", "--samples", "2", "--masks", "4",
             "--batch-size", "1", "--detectors", "attention", "information_flow", "recency"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    launch = ["--num_processes", "2", "--num_machines", "1", "--cpu", "--mixed_precision", "no",
-              "--dynamo_backend", "no"]  # fmt: skip
-    launch = [sys.executable, "-m", "accelerate.commands.launch", *launch]
-    for command, out in (
-        ([sys.executable, "-m", "analyses.detector_compare"], tmp_path / "one"),
-        ([*launch, "-m", "analyses.detector_compare"], tmp_path / "two"),
-    ):
-        done = subprocess.run(
-            [*command, *argv, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+    run_module("analyses.detector_compare", argv, tmp_path / "one")
+    run_module("analyses.detector_compare", argv, tmp_path / "two", processes=2)
     tag = f"{tiny_model_folder.name}-160"
     for name in ("metrics.csv", "faithfulness.csv", "layers.csv", "ranks.csv"):
         one = pd.read_csv(tmp_path / "one" / f"detector_{tag}_{name}")
         two = pd.read_csv(tmp_path / "two" / f"detector_{tag}_{name}")
         pd.testing.assert_frame_equal(one, two)
     assert not list((tmp_path / "two").glob(".*parts"))  # parts removed once the outputs are written
+
+
+def test_two_processes_fine_tune_exactly_as_one(tiny_model_folder, tmp_path):
+    """The objectives sweep (base model + 2 objectives x 2 seeds) split over two processes."""
+    argv = ["--model", str(tiny_model_folder), "--length", "128", "--train-samples", "4", "--steps", "1",
+            "--batch", "2", "--eval-samples", "1", "--objectives", "ce", "logo",
+            "--seeds", "0", "1"]  # fmt: skip
+    objectives.main([*argv, "--out", str(tmp_path / "one")])  # in this process: no second start-up
+    run_module("analyses.objectives", argv, tmp_path / "two", processes=2)
+    for name in ("objectives.csv", "objectives_training.csv"):
+        one, two = (pd.read_csv(tmp_path / out / name).drop(columns="wall_s") for out in ("one", "two"))
+        pd.testing.assert_frame_equal(one, two)
+    assert not list((tmp_path / "two").glob(".*parts"))

@@ -1,0 +1,69 @@
+"""The claims table: verdicts from intervals, rows from the studies' CSVs, the README between markers."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analyses import claims
+from analyses.claims import Measured, verdict
+from analyses.stats import Estimate
+
+PARTLY = "partly (smaller than the paper's)"
+
+
+@pytest.mark.parametrize(
+    "measured, expected",
+    [
+        (Measured(Estimate(0.2, 0.1, 0.3, 5), "s"), "reproduced"),
+        (Measured(Estimate(0.2, 0.1, 0.3, 5), "s", magnitude=0.25), "reproduced"),
+        (Measured(Estimate(0.2, 0.1, 0.3, 5), "s", magnitude=0.4), PARTLY),
+        (Measured(Estimate(-0.2, -0.3, -0.1, 5), "s"), "not reproduced"),
+        (Measured(Estimate(-0.7, -0.9, -0.5, 5), "s", direction=-1, magnitude=-0.96), PARTLY),
+        (Measured(Estimate(0.1, -0.1, 0.3, 5), "s"), "inconclusive (interval covers no effect)"),
+        (Measured(Estimate(3.0, 1.4, 5.5, 8), "s", null=1.0, magnitude=10.0), PARTLY),
+        (Measured(Estimate(0.1, -0.1, 0.3, 5), "s", effect=False), "reproduced (no effect)"),
+        (Measured(Estimate(-0.7, -0.9, -0.4, 5), "s", effect=False), "not reproduced (an effect)"),
+        (Measured(Estimate(0.2, np.nan, np.nan, 1), "s"), "inconclusive (one unit, no interval)"),
+        (Measured(None, "needs a GPU"), "not testable"),
+    ],
+)  # fmt: skip
+def test_verdicts_follow_the_interval(measured, expected):
+    assert verdict(measured) == expected
+
+
+def test_rows_come_from_the_csvs_and_the_readme_table_is_replaced(tmp_path):
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    seeds = np.arange(5)
+    gaps = [
+        {"panel": "No PE", "setting": setting, "pair": "first vs last", "seed": s, "steps": 2000, "gap": g,
+         "source": "ours"}
+        for setting, values in (("depth 2", [0.05, 0.07, 0.06, 0.08, 0.09]),
+                                ("depth 6", [0.0, 0.02, 0.01, 0.0, 0.03]))
+        for s, g in zip(seeds, values, strict=True)
+    ]  # fmt: skip
+    pd.DataFrame(gaps).to_csv(figures / "position_bias_gaps.csv", index=False)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{claims.START}\nold table\n{claims.END}\n\nafter\n")
+    table = claims.main(["--figures", str(figures), "--readme", str(readme)]).set_index("claim")
+
+    first = table.loc["nope_first"]
+    assert first.ours == pytest.approx(0.07) and first.low < 0.07 < first.high and first.n == 5
+    assert first.verdict == "reproduced" and "2,000 steps (paper 100,000), 5 seeds" in first.setting
+    assert table.loc["nope_depth"].ours == pytest.approx(-0.058)  # depth 6 − depth 2, paired by seed
+    assert table.loc["nope_depth"].verdict == "not reproduced"
+    assert table.loc["decay_last"].verdict == "not run"  # no Decay rows in this CSV
+    longppl = table.loc["longppl_r"]
+    assert longppl.verdict == "not run" and "longppl_correlation.csv" in longppl.setting
+    assert table.loc["cdt_scale"].verdict == "not testable"
+    written = pd.read_csv(figures / "claims.csv").set_index("claim")
+    pd.testing.assert_frame_equal(written, table.replace("", np.nan), check_dtype=False)
+    text = readme.read_text()
+    assert "old table" not in text and text.endswith(f"{claims.END}\n\nafter\n")
+    assert text.count("| **") == len(claims.CLAIMS)
+
+
+def test_a_readme_without_markers_is_refused(tmp_path):
+    (tmp_path / "README.md").write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        claims.update_readme(tmp_path / "README.md", "| table |")
