@@ -297,10 +297,14 @@ CLAIMS = [
 ]  # fmt: skip
 
 
-def evaluate(figures: Path) -> pd.DataFrame:
-    """One row per claim: the paper's number, ours with its interval, the setting and the verdict."""
+def evaluate(figures: Path, keys: list[str] | None = None) -> pd.DataFrame:
+    """One row per claim (or per claim in ``keys``): the paper's number, ours with its interval, the
+    setting and the verdict."""
+    known = [claim.key for claim in CLAIMS]
+    if unknown := set(keys or []) - set(known):
+        raise ValueError(f"unknown claims {sorted(unknown)}; known: {known}")
     rows = []
-    for claim in CLAIMS:
+    for claim in CLAIMS if keys is None else [c for c in CLAIMS if c.key in keys]:
         try:
             measured = claim.measure(figures)
         except (FileNotFoundError, KeyError, ValueError) as error:  # a study not run, or not this case

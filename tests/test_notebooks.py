@@ -9,6 +9,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = "<tiny model folder>"  # replaced by the `tiny_model_folder` fixture's path
 TINY_SETTINGS = {
+    "claims.ipynb": {"KEYS": ["nope_first", "decay_last", "retrieval_heads", "cdt_scale"]},
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
     "longppl.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256, "K": 32, "D": 32},
     "noise_restraint.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192},
