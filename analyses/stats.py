@@ -9,6 +9,7 @@ can say it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,15 +67,17 @@ def bootstrap(
         return Estimate(value, np.nan, np.nan, n, over)
     if all(np.all(column == column[0]) for column in columns):
         return Estimate(value, value, value, n, over)
-    draws = stats.bootstrap(
-        columns,
-        statistic,
-        paired=True,
-        vectorized=False,
-        n_resamples=resamples,
-        method="percentile",  # only the draws are used; this skips BCa's jackknife
-        rng=np.random.default_rng(seed),
-    ).bootstrap_distribution
+    with warnings.catch_warnings():  # scipy warns of NaN draws; percentile_interval leaves them out
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        draws = stats.bootstrap(
+            columns,
+            statistic,
+            paired=True,
+            vectorized=False,
+            n_resamples=resamples,
+            method="percentile",  # only the draws are used; this skips BCa's jackknife
+            rng=np.random.default_rng(seed),
+        ).bootstrap_distribution
     return Estimate(value, *percentile_interval(draws), n, over)
 
 
