@@ -25,7 +25,7 @@ import pandas as pd
 from scipy.stats import pearsonr
 
 from analyses import longppl
-from analyses.stats import Estimate, bootstrap, correlation, difference
+from analyses.stats import MIN_UNITS, Estimate, bootstrap, correlation, difference
 from probe.results import atomic_write
 
 START, END = "<!-- claims:start -->", "<!-- claims:end -->"
@@ -62,7 +62,7 @@ def verdict(measured: Measured) -> str:
     if estimate is None:
         return "not testable" if measured.ran else "not run"
     if np.isnan(estimate.low):
-        return "inconclusive (one unit, no interval)"
+        return f"inconclusive (fewer than {MIN_UNITS} units, no interval)"
     low, high = sorted(measured.direction * (np.array([estimate.low, estimate.high]) - measured.null))
     if not measured.effect:
         return "reproduced (no effect)" if low <= 0 <= high else "not reproduced (an effect)"

@@ -17,6 +17,7 @@ import numpy as np
 from scipy import stats
 
 CONFIDENCE = 0.95
+MIN_UNITS = 3  # two units have only three distinct resamples: no interval worth the name
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ def bootstrap(
     One column: ``bootstrap(accuracies)``. Several columns are resampled together, one unit a row:
     ``bootstrap(correct, tokens, statistic=lambda c, t: c.sum() / t.sum())``. Units with a NaN are
     dropped; a resample on which the statistic is undefined (NaN, e.g. a correlation of a constant
-    resample) is left out of the percentiles. A single unit has no interval (NaN); units that are
-    all equal give ``[value, value]``.
+    resample) is left out of the percentiles. Fewer than ``MIN_UNITS`` units have no interval (NaN);
+    units that are all equal give ``[value, value]``.
     """
     columns = [np.asarray(column, dtype=float) for column in columns]
     if not columns or any(column.shape != columns[0].shape or column.ndim != 1 for column in columns):
@@ -63,7 +64,7 @@ def bootstrap(
     if n == 0:
         raise ValueError("bootstrap needs at least one value that is not NaN")
     value = float(statistic(*columns))
-    if n < 2:
+    if n < MIN_UNITS:
         return Estimate(value, np.nan, np.nan, n, over)
     if all(np.all(column == column[0]) for column in columns):
         return Estimate(value, value, value, n, over)

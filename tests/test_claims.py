@@ -23,7 +23,7 @@ PARTLY = "partly (smaller than the paper's)"
         (Measured(Estimate(3.0, 1.4, 5.5, 8), "s", null=1.0, magnitude=10.0), PARTLY),
         (Measured(Estimate(0.1, -0.1, 0.3, 5), "s", effect=False), "reproduced (no effect)"),
         (Measured(Estimate(-0.7, -0.9, -0.4, 5), "s", effect=False), "not reproduced (an effect)"),
-        (Measured(Estimate(0.2, np.nan, np.nan, 1), "s"), "inconclusive (one unit, no interval)"),
+        (Measured(Estimate(0.2, np.nan, np.nan, 2), "s"), "inconclusive (fewer than 3 units, no interval)"),
         (Measured(None, "needs a GPU"), "not testable"),
     ],
 )  # fmt: skip

@@ -23,6 +23,9 @@ def test_other_statistics_constant_data_and_single_values():
     assert bootstrap([1.0, 1.0, 1.0]) == Estimate(1.0, 1.0, 1.0, 3)
     single = bootstrap([0.4, np.nan], over="seeds")
     assert single.value == 0.4 and np.isnan(single.low) and single.n == 1 and "n = 1 seeds" in str(single)
+    pair = bootstrap([1.9, 6.5])  # two units: three distinct resamples, no interval
+    assert pair.value == pytest.approx(4.2) and np.isnan(pair.low) and np.isnan(pair.high) and pair.n == 2
+    assert not np.isnan(bootstrap([1.9, 6.5, 3.0]).low)
     with pytest.raises(ValueError, match="at least one value"):
         bootstrap([np.nan])
 
