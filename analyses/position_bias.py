@@ -20,8 +20,8 @@
     python -m analyses.position_bias              # quick preset (default): ≲15 min on 2 CPU cores
     python -m analyses.position_bias --smoke      # a minute or two: every figure at toy settings
     python -m analyses.position_bias --paper      # the paper's 100k steps, 5 seeds, 2/4/6 & 2/6/10 layers
-    python -m analyses.position_bias --parts study theory --steps 2000 --pool 2000 --seeds 0 1 2 \
-        --n-layers 2 6 --residual-n-layers 2     # the committed figures: 41 min on one shared CPU thread
+    python -m analyses.position_bias --paper --parts study --steps 10000 --seeds 0 1 2 \
+        --n-layers 2 6 --residual-n-layers 2     # the committed study: ≈ 75 min on one CPU thread
     python -m analyses.position_bias --steps 4000 --seeds 0 1 --n-layers 2 4 6 --residual-n-layers 2 6 10
     python -m analyses.position_bias --parts real --models gemma3-270m     # one part, one model
 """

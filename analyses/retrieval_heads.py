@@ -18,7 +18,7 @@ Writes, per run, with the CSV behind each figure:
     python -m analyses.retrieval_heads --quick             # a few minutes
     python -m analyses.retrieval_heads --models gemma3-270m --lengths 1024 2048
     python -m analyses.retrieval_heads --reuse --ks 0 2 5     # new ablation, saved detections
-    accelerate launch --num_processes 2 --cpu -m analyses.retrieval_heads --quick   # two processes
+    accelerate launch --multi_gpu --num_processes 2 -m analyses.retrieval_heads --quick   # two processes
 
 Runs unchanged under ``accelerate launch`` (:mod:`analyses.sweep`), model by model, in two sweeps:
 one job per detection trial (length, depth, needle seed), whose scores every process receives for

@@ -9,8 +9,12 @@ every process gets the gathered tables (the main process sends them), for a swee
 the next sweep needs (the retrieval-head ranking that the ablation jobs use). Progress bars show
 on the main process only.
 
-    accelerate launch --num_processes 2 --cpu -m analyses.detector_compare --samples 8   # two CPU processes
-    accelerate launch --multi_gpu --num_processes 8 -m analyses.detector_compare ...     # eight GPUs
+    accelerate launch --multi_gpu --num_processes 2 -m analyses.detector_compare ...   # two CPU processes
+    torchrun --nproc_per_node 2 -m analyses.detector_compare ...                        # the same
+    accelerate launch --multi_gpu --num_processes 8 -m analyses.detector_compare ...   # eight GPUs
+
+On a machine without a GPU the processes join over gloo (:func:`process_state`). accelerate's own
+``--cpu`` flag is not the way to several CPU processes: without an MPI host file it starts one.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import pandas as pd
+import torch
 from accelerate import PartialState
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
 from tqdm.auto import tqdm
 
 from probe.results import atomic_write
@@ -49,7 +54,7 @@ def sweep(
     ``run`` returns named tables (``{"metrics": frame, ...}``); a job may leave out a table that it
     has no rows for (a base model has no training log), the others' are concatenated without it.
     """
-    state = PartialState()
+    state = process_state()
     parts = Path(parts)
     todo = [job for job in jobs if not (resume and (parts / f"{part_name(job)}.pkl").exists())]
     new = {}
@@ -70,6 +75,16 @@ def sweep(
     return found
 
 
+def process_state() -> PartialState:
+    """This process's place among the processes ``accelerate launch`` / ``torchrun`` started.
+
+    Without a GPU (or with ``ACCELERATE_USE_CPU``) the processes join over gloo on the CPU: a plain
+    ``PartialState()`` would ignore the launcher there and leave every process alone, each running
+    every job.
+    """
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+
+
 def is_main_process() -> bool:
     """Whether this process writes the outputs (always, without ``accelerate launch``)."""
-    return PartialState().is_main_process
+    return process_state().is_main_process

@@ -41,18 +41,45 @@ def test_a_job_may_leave_a_table_out_and_everywhere_returns_the_tables(tmp_path)
     assert found["log"].step.dtype == "int64"  # no empty frame upcasts the columns
 
 
-def run_module(module: str, argv: list[str], out: Path, processes: int = 1) -> None:
+def run_module(module: str, argv: list[str], out: Path, processes: int = 1, path: Path = ROOT) -> None:
     """``python -m module argv --out out``, or the same on ``processes`` CPU processes (gloo) under
-    ``accelerate launch``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    ``accelerate launch``, as the README says to start them; ``path`` goes on the PYTHONPATH too."""
+    pythonpath = os.pathsep.join(dict.fromkeys([str(ROOT), str(path)]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     command = [sys.executable, "-m", module]
     if processes > 1:
-        launch = ["--num_processes", str(processes), "--num_machines", "1", "--cpu",
+        launch = ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
                   "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
         command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", module]
     command = [*command, *argv, "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+RECORDER = """
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from analyses.sweep import process_state, sweep
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", type=Path)
+out = parser.parse_args().out
+found = sweep([(job,) for job in range(6)], lambda job: {"rows": pd.DataFrame(
+    {"job": [job[0]], "process": [process_state().process_index]})}, out / ".parts")
+if found is not None:
+    found["rows"].to_csv(out / "rows.csv", index=False)
+"""
+
+
+def test_the_launch_command_really_starts_two_processes(tmp_path):
+    """Each job records the process that ran it: both processes work, and the main one gathers all."""
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    run_module("recorder", [], tmp_path / "two", processes=2, path=tmp_path)
+    rows = pd.read_csv(tmp_path / "two" / "rows.csv")
+    assert rows.job.tolist() == list(range(6)) and rows.process.tolist() == [0, 0, 0, 1, 1, 1]
 
 
 def test_two_processes_write_exactly_the_rows_of_one(tiny_model_folder, tmp_path):
