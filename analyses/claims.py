@@ -368,14 +368,12 @@ def update_readme(readme: Path, table: str) -> None:
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--figures", type=Path, default=Path("figures"), help="where the studies' CSVs are")
-    parser.add_argument(
-        "--readme", type=Path, default=Path("README.md"), help="README to update ('' to skip)"
-    )
+    parser.add_argument("--readme", default="README.md", help="README to update ('' to skip)")
     args = parser.parse_args(argv)
     table = evaluate(args.figures)
     atomic_write(args.figures / "claims.csv", lambda tmp: table.to_csv(tmp, index=False))
-    if str(args.readme):
-        update_readme(args.readme, markdown(table))
+    if args.readme:
+        update_readme(Path(args.readme), markdown(table))
     print(markdown(table))
     return table
 

@@ -63,6 +63,13 @@ def test_rows_come_from_the_csvs_and_the_readme_table_is_replaced(tmp_path):
     assert text.count("| **") == len(claims.CLAIMS)
 
 
+def test_an_empty_readme_option_skips_the_readme(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "README.md").write_text(f"{claims.START}\nold table\n{claims.END}\n")
+    claims.main(["--figures", str(tmp_path), "--readme", ""])
+    assert "old table" in (tmp_path / "README.md").read_text() and (tmp_path / "claims.csv").exists()
+
+
 def test_a_readme_without_markers_is_refused(tmp_path):
     (tmp_path / "README.md").write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
