@@ -28,7 +28,7 @@ K and d: ``--K`` / ``--d`` tokens (default 128 / 128; our models are small and s
     python -m analyses.longppl --claims --task-samples 8     # a preset's values are defaults: options win
     accelerate launch --multi_gpu --num_processes 2 -m analyses.longppl --claims --resume
     accelerate launch --multi_gpu --num_processes 2 -m analyses.longppl --claims-cpu --task-samples 20
-                                                # the committed figures: 60 min on 2 CPU processes
+                                                # the committed figures: 60 min, 2 processes, shared
 
 ``--claims``: both models as variants with W = 64, 256, 1024, full and, at full attention, RoPE base
 × 0.1 and × 0.01 (12 variants); passkey, niah and multihop-1 at 2048 tokens, 20 samples each;

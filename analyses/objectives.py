@@ -51,7 +51,7 @@ settings, the torch seed — empty for the base model — and the job's wall tim
                                               # other jobs; LOGO adds a run)
     python -m analyses.objectives             # 512 tokens, 32 steps × 4 samples, 24 held-out samples
     python -m analyses.objectives --length 256 --train-samples 64 --steps 32 --batch 2 \
-        --eval-samples 32 --seeds 0 1 2       # the committed run: 55 min on one CPU thread
+        --eval-samples 32 --seeds 0 1 2       # the committed run: 55 min, 1 thread, shared
     python -m analyses.objectives --claims    # the claims' budget: SmolLM2 at 256 tokens, 200 steps
                                               # × 4 new samples, 64 held-out samples, seeds 0 1 2
     python -m analyses.objectives --objectives ce logo --seeds 0 1 --resume   # goes on after a kill

@@ -21,7 +21,7 @@
     python -m analyses.position_bias --smoke      # a minute or two: every figure at toy settings
     python -m analyses.position_bias --paper      # the paper's 100k steps, 5 seeds, 2/4/6 & 2/6/10 layers
     python -m analyses.position_bias --paper --parts study --steps 10000 --seeds 0 1 2 \
-        --n-layers 2 6 --residual-n-layers 2     # the committed study: ≈ 75 min on one CPU thread
+        --n-layers 2 6 --residual-n-layers 2     # the committed study: 81 min, 1 thread, shared
     python -m analyses.position_bias --steps 4000 --seeds 0 1 --n-layers 2 4 6 --residual-n-layers 2 6 10
     python -m analyses.position_bias --parts real --models gemma3-270m     # one part, one model
 """
