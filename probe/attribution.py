@@ -19,8 +19,10 @@ import torch
 
 from probe.batch import Batch, batch_loss, batch_of, is_batch
 from probe.capture import (
+    bias_keys,
     check_input_ids,
     check_layers,
+    check_positions,
     frozen_parameters,
     hf_model,
     input_device,
@@ -246,13 +248,15 @@ class AnswerAttribution:
 
     ``pattern`` and ``pattern_grad``: Tensor[layers, heads, rows, seq], the attention of the answer
     rows (``rows`` = target positions − 1, LongTensor[rows]) over all keys and ∂L/∂A of those rows,
-    for ``layers`` in that order. ``embedding_grad``: Tensor[seq, hidden], ∂L/∂e_i. L is the mean
-    cross-entropy of the target tokens, as in :func:`information_flow` and :func:`embedding_grads`.
+    for ``layers`` in that order. ``embedding_grad``: Tensor[seq, hidden], ∂L/∂e_i, and
+    ``embeddings`` Tensor[seq, hidden], the e_i. L is the mean cross-entropy of the target tokens,
+    as in :func:`information_flow` and :func:`embedding_grads`.
     """
 
     pattern: torch.Tensor
     pattern_grad: torch.Tensor
     embedding_grad: torch.Tensor
+    embeddings: torch.Tensor
     layers: tuple[int, ...]
     rows: torch.Tensor
 
@@ -274,6 +278,12 @@ class AnswerAttribution:
     def embedding_grad_norms(self, p: float = 2) -> torch.Tensor:
         """:func:`embedding_grad_norms` from the captured gradient: Tensor[seq]."""
         return self.embedding_grad.norm(p=p, dim=-1)
+
+    def grad_times_input(self) -> torch.Tensor:
+        """e_i · ∂ log P(answer)/∂e_i (gradient × input; Shrikumar et al. 2016, Denil et al. 2014):
+        Tensor[seq], the first-order drop of the answer's log-probability, Σ_t log P(x_t | x_<t), when
+        e_i is set to zero. L is a mean over the answer's tokens, so ∂ log P/∂e = −len(rows)·∂L/∂e."""
+        return -len(self.rows) * (self.embeddings.float() * self.embedding_grad.float()).sum(-1)
 
 
 def answer_attribution(
@@ -310,9 +320,47 @@ def answer_attribution(
             pattern=_per_sequence(cache, "pattern", layers, batch, b),
             pattern_grad=_per_sequence(cache, "pattern_grad", layers, batch, b),
             embedding_grad=embeds.grad[b, : batch.lengths[b]],
+            embeddings=embeds.detach()[b, : batch.lengths[b]],
             layers=tuple(layers),
             rows=(batch.positions[b] - 1).cpu(),
         )
         for b in range(len(batch))
     ]
     return _one_or_all(found, single)
+
+
+def answer_logprob(model, input_ids: torch.Tensor, target_positions: torch.Tensor) -> torch.Tensor:
+    """Σ_t log P(x_t | x_<t) over the tokens at ``target_positions`` (the teacher-forced answer),
+    each predicted from row t − 1 in at least fp32: a 0-d tensor. ``input_ids``: LongTensor[1, seq]
+    on the model's input device. Only the answer rows are projected to the vocabulary."""
+    logits = hf_model(model)(input_ids=input_ids, use_cache=False, logits_to_keep=target_positions - 1).logits
+    logits = logits[0].to(torch.promote_types(logits.dtype, torch.float32))
+    return logits.log_softmax(-1).gather(-1, input_ids[0, target_positions, None]).sum()
+
+
+def key_removal_gradient(
+    model, input_ids: torch.Tensor | Sequence[int], target_positions: Sequence[int], checkpoint: bool | str = "auto"
+) -> torch.Tensor:
+    """∂ log P(answer) / ∂b_j at b = 0, where b_j is added to the attention logit of key j from every
+    later query, in every layer and head (:func:`probe.capture.bias_keys`): Tensor[seq].
+
+    A first-order estimate of what removing token j everywhere does to the answer's log-probability
+    (``b_j → −∞`` hides key j): positive = the answer leans on it. Unlike scores read off the
+    answer rows, it includes indirect paths (a later token that copied token j). Summed over a
+    source's tokens it estimates removing the source. One forward and one backward; the attention
+    of every row is materialized in the backward of each layer, so ``checkpoint`` ("auto": as the
+    planner decides for all rows captured with their gradient) recomputes one layer at a time.
+    """
+    ids = check_input_ids(model, input_ids)
+    targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)
+    inner = hf_model(model)
+    seq = ids.shape[1]
+    bias = torch.zeros(1, seq, device=ids.device, requires_grad=True)
+    with (
+        guarded(model, seq, "information_flow", checkpoint, rows=seq),
+        frozen_parameters(inner),
+        torch.enable_grad(),
+        bias_keys(inner, bias),
+    ):
+        (grad,) = torch.autograd.grad(answer_logprob(inner, ids, targets), bias)
+    return grad[0].detach().float().cpu()

@@ -170,6 +170,37 @@ class _Window:
     layers_seen: set[int] = field(default_factory=set)
 
 
+@dataclass
+class _Positions:
+    """The original position of each token the forward's keys hold: LongTensor[batch or 1, kv]."""
+
+    positions: torch.Tensor
+    masks_built: int = 0
+    layers_seen: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _KeyBias:
+    """``bias[b, j]`` added to the attention logit of key j from every later query i > j."""
+
+    bias: torch.Tensor
+    layers_seen: set[int] = field(default_factory=set)
+
+    def added_to(
+        self, attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        """The layer's additive mask [batch or 1, 1, q, kv] with the bias on every strictly earlier key."""
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if q_len != kv_len or self.bias.shape[-1] != kv_len:
+            raise ValueError(
+                f"bias_keys has a bias for {self.bias.shape[-1]} keys but the layer sees {q_len} queries "
+                f"over {kv_len} keys: run one forward over the whole sequence, without a KV cache"
+            )
+        mask = _mask_rows(attention_mask, slice(None), q_len, kv_len, window, query.dtype, device=query.device)
+        later = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(-1)
+        return mask + self.bias.to(device=query.device, dtype=query.dtype)[:, None, None, :] * later
+
+
 @dataclass(frozen=True)
 class _Modifiers:
     """Everything active in the current context, innermost last."""
@@ -178,10 +209,12 @@ class _Modifiers:
     ablations: tuple[_HeadAblation, ...] = ()
     windows: tuple[_Window, ...] = ()
     key_masks: tuple[_KeyMask, ...] = ()
+    positions: tuple[_Positions, ...] = ()
+    key_biases: tuple[_KeyBias, ...] = ()
 
     def reached(self, layer: int | None) -> None:
         """Record that ``layer``'s attention ran under these modifiers."""
-        for modifier in (*self.windows, *self.key_masks):
+        for modifier in (*self.windows, *self.key_masks, *self.positions, *self.key_biases):
             modifier.layers_seen.add(layer)
         for ablation in self.ablations:
             if layer in ablation.heads:
@@ -197,8 +230,10 @@ def _active() -> _Modifiers:
 
 
 def masks_active() -> bool:
-    """Whether an attention window or key mask is active here (every layer then gets a mask)."""
-    return bool(_active().windows or _active().key_masks)
+    """Whether an attention window, key mask, key bias or position map is active here (every layer
+    may then get a mask)."""
+    active = _active()
+    return bool(active.windows or active.key_masks or active.positions or active.key_biases)
 
 
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("longprobe_recomputing", default=False)
@@ -327,6 +362,7 @@ def _mask_rows(
     sliding_window: int | None,
     dtype: torch.dtype,
     keys: tuple[int, int] | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Additive mask [batch or 1, 1, rows, keys] for the given query rows (``rows``: a LongTensor or a
     slice) and keys ``keys = (first, end)`` (default: all ``kv_len``).
@@ -342,7 +378,7 @@ def _mask_rows(
             return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
         return mask.to(dtype)
     if isinstance(rows, slice):
-        rows = torch.arange(q_len)[rows]
+        rows = torch.arange(q_len, device=device)[rows]
     query_pos = (kv_len - q_len + rows)[:, None]
     key_pos = torch.arange(first, end, device=rows.device)[None]
     allowed = key_pos <= query_pos
@@ -440,7 +476,7 @@ def _windowed_sdpa(
         stop = min(start + window, q_len)
         first, end = max(0, offset + start - window + 1), offset + stop
         band, rows = slice(first, end), slice(start, stop)
-        mask = _mask_rows(attention_mask, rows, q_len, kv_len, window, query.dtype, (first, end))
+        mask = _mask_rows(attention_mask, rows, q_len, kv_len, window, query.dtype, (first, end), query.device)
         output, _ = sdpa_attention_forward(
             module, query[:, :, start:stop], key[:, :, band], value[:, :, band], mask,
             dropout=dropout, scaling=scaling, **kwargs,
@@ -470,6 +506,9 @@ def _attention(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     window = kwargs.get("sliding_window")
     logits = Logits(scaling, softcap, s_aux, window)
+    active = _active()
+    for key_bias in active.key_biases:
+        attention_mask = key_bias.added_to(attention_mask, query, key, window)
     if softcap is None and s_aux is None and window and query.shape[2] > window and key.shape[2] > 2 * window:
         output = _windowed_sdpa(module, query, key, value, attention_mask, window, dropout, scaling, **kwargs)
     elif softcap is None and s_aux is None:
@@ -484,7 +523,6 @@ def _attention(
         output = apply_pattern(pattern, value).to(value.dtype)
 
     layer = getattr(module, "layer_idx", None)
-    active = _active()
     active.reached(layer)
     captures = [c for c in active.captures if layer in c.layers]
     if captures and dropout > 0:
@@ -519,6 +557,29 @@ def _visible_keys(hidden: torch.Tensor, batch_size: int, kv_end: int, device) ->
     return visible
 
 
+def _position_table(positions: torch.Tensor, batch_size: int, kv_end: int, device) -> torch.Tensor:
+    """``positions`` LongTensor[batch or 1, kv] as [batch, kv] on ``device``, checked to cover the keys."""
+    if positions.shape[0] not in (1, batch_size):
+        raise ValueError(
+            f"original_positions got positions for {positions.shape[0]} sequences, the forward has {batch_size}"
+        )
+    if positions.shape[1] < kv_end:
+        raise ValueError(
+            f"original_positions holds {positions.shape[1]} positions but the keys reach index {kv_end - 1}: "
+            "give one position for every token of the cache and of the input"
+        )
+    return positions.to(device).expand(batch_size, -1)
+
+
+def _in_original_positions(mask_function: Callable, table: torch.Tensor) -> Callable:
+    """``mask_function`` evaluated at the original positions ``table[b, index]`` of query and key."""
+
+    def remapped(batch_idx, head_idx, q_idx, kv_idx):
+        return mask_function(batch_idx, head_idx, table[batch_idx, q_idx], table[batch_idx, kv_idx])
+
+    return remapped
+
+
 def _mask(
     *,
     batch_size: int,
@@ -528,18 +589,31 @@ def _mask(
     allow_is_causal_skip: bool = True,
     **kwargs,
 ):
-    """sdpa's mask with the active windows and key masks overlaid."""
+    """sdpa's mask with the active windows and key masks overlaid, measured in original positions.
+
+    Under :func:`original_positions` the mask function (causal, the model's sliding window, the
+    overlays) sees each token's original position instead of its index among the keys, so a window
+    counts positions, not kept tokens. A plain causal mask needs no map (the order is kept).
+    """
     active = _active()
     device = kwargs.get("device", "cpu")
+    table = None
+    if active.positions:
+        compaction = active.positions[-1]
+        compaction.masks_built += 1
+        table = _position_table(compaction.positions, batch_size, kv_offset + kv_length, device)
+    kv_end = int(table.max()) + 1 if table is not None else kv_offset + kv_length
+    overlaid = bool(active.windows or active.key_masks)
     for window in active.windows:
         window.masks_built += 1
         mask_function = and_masks(mask_function, sliding_window_overlay(window.size))
     for key_mask in active.key_masks:
         key_mask.masks_built += 1
-        mask_function = and_masks(
-            mask_function, _visible_keys(key_mask.hidden, batch_size, kv_offset + kv_length, device)
-        )
-    if active.windows or active.key_masks:
+        mask_function = and_masks(mask_function, _visible_keys(key_mask.hidden, batch_size, kv_end, device))
+    if table is not None and (overlaid or mask_function is not causal_mask_function):
+        mask_function = _in_original_positions(mask_function, table)
+        overlaid = True
+    if overlaid:
         allow_is_causal_skip = False
     return sdpa_mask(
         batch_size=batch_size,
@@ -710,6 +784,60 @@ def mask_keys(model, positions: Sequence[int] | torch.Tensor) -> Iterator[None]:
 
 
 @contextmanager
+def original_positions(model, positions: torch.Tensor) -> Iterator[None]:
+    """Measure every attention mask inside the block in original token positions (compaction).
+
+    ``positions``: LongTensor[batch or 1, kv], the original position of each token the keys hold
+    (a reused prefix cache first, then the input), increasing along each row. Causal order, the
+    model's sliding windows, :func:`attention_window` and :func:`mask_keys` (whose positions are then
+    original positions) all compare these, not indices among the keys. Run the model on the kept
+    tokens with ``position_ids`` set to their positions and an ``attention_mask`` of ones (without
+    one, transformers would read the gaps as packed sequences): the result equals a forward over
+    the whole sequence with the left-out tokens key-masked — a hidden key contributes nothing and
+    nothing reads a hidden token's state — at the cost of the kept tokens only.
+    """
+    positions = torch.as_tensor(positions)
+    if positions.dtype in (torch.bool,) or positions.is_floating_point():
+        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+    if positions.ndim == 1:
+        positions = positions[None]
+    if positions.ndim != 2 or not bool((positions.diff(dim=1) > 0).all()):
+        raise ValueError("positions must be LongTensor[batch or 1, kv], strictly increasing along each row")
+    inner = hf_model(model)
+    if _active().positions:
+        raise ValueError("original_positions is already active: the positions of one forward are one map")
+    modifier = _Positions(positions.long())
+    with _modified(inner, positions=modifier):
+        yield
+    _check_mask_built(inner, modifier)
+
+
+@contextmanager
+def bias_keys(model, bias: torch.Tensor) -> Iterator[None]:
+    """Add ``bias[b, j]`` to the attention logit of key j from every later query (i > j), in every
+    layer and head, inside the block.
+
+    ``bias``: Tensor[batch or 1, seq] (or Tensor[seq]) over the tokens of one forward without a KV
+    cache. At ``bias = 0`` the model is unchanged; ``bias → −∞`` removes key j from every later
+    query, so with ``bias.requires_grad`` the gradient ∂f/∂bias_j is a first-order estimate of
+    removing token j everywhere, indirect paths included (see
+    :func:`probe.attribution.key_removal_gradient`). Works with checkpointing, sliding windows,
+    captures and the other modifiers (a trace sees the biased attention).
+    """
+    if not torch.is_tensor(bias) or not bias.is_floating_point():
+        raise TypeError("bias must be a floating-point tensor [batch or 1, seq]")
+    bias = bias[None] if bias.ndim == 1 else bias
+    if bias.ndim != 2:
+        raise ValueError(f"bias must be Tensor[batch or 1, seq], got shape {tuple(bias.shape)}")
+    inner = hf_model(model)
+    modifier = _KeyBias(bias)
+    with _modified(inner, key_biases=modifier):
+        yield
+    if not modifier.layers_seen:
+        raise _not_reached(inner)
+
+
+@contextmanager
 def checkpointed(model, enabled: bool = True) -> Iterator[None]:
     """Recompute every decoder layer in the backward pass instead of keeping its activations.
 
@@ -762,7 +890,7 @@ def _checkpointing(forward: Callable) -> Callable:
     return checkpointed_forward
 
 
-def _check_mask_built(inner: PreTrainedModel, modifier: _Window | _KeyMask) -> None:
+def _check_mask_built(inner: PreTrainedModel, modifier: _Window | _KeyMask | _Positions) -> None:
     """Raise if attention ran in the block but the model never asked longprobe for its mask."""
     if modifier.layers_seen and not modifier.masks_built:
         raise UnsupportedModelError(

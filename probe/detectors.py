@@ -28,7 +28,13 @@ import pandas as pd
 import torch
 
 from probe import views
-from probe.attribution import AnswerAttribution, answer_attribution, attention_rows, embedding_grad_norms
+from probe.attribution import (
+    AnswerAttribution,
+    answer_attribution,
+    attention_rows,
+    embedding_grad_norms,
+    key_removal_gradient,
+)
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import check_layers, frozen_parameters, hf_model
 from probe.faithfulness import answer_scores, lds, random_masks
@@ -167,7 +173,7 @@ def detect(
     return _REGISTRY[name](model, tokenizer, sample, **options)
 
 
-SHARED_PASS = ("attention", "fr", "embedding_grad", "information_flow")
+SHARED_PASS = ("attention", "fr", "embedding_grad", "information_flow", "grad_times_input")
 
 
 def detect_many(
@@ -347,11 +353,57 @@ def _from_attribution(
     """Detection ``name`` (one of :data:`SHARED_PASS`) from the shared pass; settings as :func:`_settings`."""
     if name == "embedding_grad":
         return _embedding_grad_from(attribution.embedding_grad_norms(settings["p"]), sample, **settings)
+    if name == "grad_times_input":
+        return _additive(attribution.grad_times_input(), sample, **settings)
     if name == "information_flow":
         per_layer = attribution.information_flow(settings["layers"], settings["reduce"])
         return _information_flow_from(per_layer, sample, **settings)
     pattern, _ = attribution.select(settings["layers"])
     return {"attention": _attention_from, "fr": _fact_retrieval_from}[name](pattern, sample, **settings)
+
+
+def _additive(scores: torch.Tensor, sample: Sample, top_k: int) -> Detection:
+    """A detection from per-token first-order effects that add up over a source: each source's score
+    is the sum over its tokens (``details["source_scores"]``); flags the ``top_k`` context tokens."""
+    scores = scores.detach().float().cpu()
+    source_scores = torch.stack([scores[source.start : source.end].sum() for source in sample.sources])
+    return Detection(
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"top_k": top_k},
+        details={"source_scores": source_scores},
+    )
+
+
+@register("grad_times_input")
+def grad_times_input(
+    model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool | str = "auto"
+) -> Detection:
+    """Gradient × input on the embeddings: e_i · ∂ log P(answer)/∂e_i (Shrikumar et al. 2016), the
+    first-order drop of the gold answer's log-probability when token i's embedding is zeroed.
+
+    Signed (positive = the answer leans on the token); a source scores the sum over its tokens
+    (``details["source_scores"]``). From the shared pass (:func:`detect_many`) at no extra cost.
+    ``checkpoint``: see :mod:`probe.attribution`.
+    """
+    attribution = answer_attribution(model, sample.input_ids, sample.target_positions, [0], checkpoint)
+    return _additive(attribution.grad_times_input(), sample, top_k)
+
+
+@register("key_removal_grad")
+def key_removal_grad(
+    model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool | str = "auto"
+) -> Detection:
+    """The key-removal gradient (:func:`probe.attribution.key_removal_gradient`): ∂ log P(answer)/∂b_j
+    for a bias b_j on key j's attention logit from every later query, every layer and head, at b = 0.
+
+    A first-order estimate of removing token j from every attention, indirect paths included (a
+    second hop reading the first), at one forward and backward; a source scores the sum over its
+    tokens (``details["source_scores"]``), its first-order removal effect. Flags the ``top_k``
+    tokens. ``checkpoint``: see :func:`~probe.attribution.key_removal_gradient`.
+    """
+    gradient = key_removal_gradient(model, sample.input_ids, sample.target_positions, checkpoint)
+    return _additive(gradient, sample, top_k)
 
 
 @register("integrated_gradients")

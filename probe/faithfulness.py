@@ -21,7 +21,9 @@ token (exact; tested against uncached passes).
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
@@ -29,7 +31,7 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 
-from probe.capture import check_input_ids, hf_model, mask_keys
+from probe.capture import check_input_ids, hf_model, mask_keys, original_positions
 from probe.tasks import Sample, Source
 
 KS = (1, 2, 4, 8)
@@ -66,17 +68,32 @@ def removed_positions(sources: Sequence[Source], removed: torch.Tensor) -> torch
     return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
 
 
+def compaction_supported(model) -> bool:
+    """Whether ``model`` takes ``position_ids``, so that a pass over the kept tokens at their original
+    positions (:func:`probe.capture.original_positions`) is exact; models that derive positions
+    otherwise (ALiBi and the like) are ablated by key masking."""
+    return "position_ids" in inspect.signature(hf_model(model).forward).parameters
+
+
 @torch.no_grad()
 def answer_scores(
-    model, sample: Sample, removed: torch.Tensor, reuse_prefix: bool = True, batch_size: int = 1
+    model,
+    sample: Sample,
+    removed: torch.Tensor,
+    reuse_prefix: bool = True,
+    batch_size: int = 1,
+    compact: bool | None = None,
 ) -> AnswerScores:
-    """The gold answer's log-probability with the sources flagged in ``removed`` key-masked.
+    """The gold answer's log-probability with the sources flagged in ``removed`` removed.
 
-    ``removed``: BoolTensor[masks, sources] (True = removed), over ``sample.sources``. With
-    ``reuse_prefix`` the unmasked prefix is run once, in order of each pass's first removed token,
-    and each masked pass starts from a copy of its KV cache; otherwise every pass runs the whole
-    sequence. ``batch_size`` masks run in one forward (one key mask per sequence), starting at the
-    earliest first removed token among them: faster on a GPU; on a CPU batch 1 is as fast.
+    ``removed``: BoolTensor[masks, sources] (True = removed), over ``sample.sources``, which must lie
+    before the answer. With ``reuse_prefix`` the unmasked prefix is run once, in order of each pass's
+    first removed token, and each pass starts from a copy of its KV cache; otherwise every pass runs
+    from the first token. ``compact`` (default: :func:`compaction_supported`): a pass runs only the
+    kept tokens, at their original positions, every mask measured in original positions (equal to key
+    masking, cheaper by the share removed); else the removed tokens stay in and are key-masked.
+    ``batch_size`` masks run in one forward (compacted rows of unequal length are filled up with
+    removed tokens, key-masked): faster on a GPU; on a CPU batch 1 is as fast.
     """
     sources = sample.sources
     removed = torch.as_tensor(removed, dtype=torch.bool)
@@ -88,12 +105,15 @@ def answer_scores(
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     inner = hf_model(model)
+    compact = compaction_supported(inner) if compact is None else compact
     ids = check_input_ids(inner, sample.input_ids)
     targets = sample.target_positions.to(ids.device)
     rows, gold = targets - 1, ids[0, targets]
     hidden = torch.zeros(len(removed), ids.shape[1], dtype=torch.bool)
     for index, mask in enumerate(removed):
         hidden[index, removed_positions(sources, mask)] = True
+    if hidden[:, int(rows[0]) :].any():
+        raise ValueError("a removed source reaches the answer rows: sources must lie before the answer")
     starts = [int(h.nonzero()[0]) if h.any() else int(rows[0]) for h in hidden]
     starts = [min(start, int(rows[0])) if reuse_prefix else 0 for start in starts]
     order = sorted(range(len(removed)), key=starts.__getitem__)
@@ -109,17 +129,48 @@ def answer_scores(
         if first:
             past = copy.deepcopy(cache)
             past.batch_repeat_interleave(len(batch))
-        with mask_keys(inner, hidden[batch]):
-            logits = inner(
-                input_ids=ids[:, first:].expand(len(batch), -1),
-                past_key_values=past,
-                use_cache=first > 0,
-                logits_to_keep=rows - first,
-            ).logits.float()  # [batch, answer, vocab]
+        run = _compacted_pass if compact else _masked_pass
+        logits = run(inner, ids, hidden[batch], first, past, rows)  # [batch, answer, vocab]
         logprobs = logits.log_softmax(-1).gather(-1, gold.expand(len(batch), -1)[..., None])[..., 0]
         logprob[batch] = logprobs.sum(-1).cpu()
         correct[batch] = (logits.argmax(-1) == gold).all(-1).cpu()
     return AnswerScores(logprob, correct)
+
+
+def _masked_pass(inner, ids, hidden, first: int, past, rows: torch.Tensor) -> torch.Tensor:
+    """Answer-row logits [batch, rows, vocab] of the tokens from ``first`` on, ``hidden`` key-masked."""
+    with mask_keys(inner, hidden):
+        return inner(
+            input_ids=ids[:, first:].expand(len(hidden), -1),
+            past_key_values=past,
+            use_cache=first > 0,
+            logits_to_keep=rows - first,
+        ).logits.float()
+
+
+def _compacted_pass(inner, ids, hidden, first: int, past, rows: torch.Tensor) -> torch.Tensor:
+    """Answer-row logits [batch, rows, vocab] of only the kept tokens from ``first`` on, at their
+    original positions; rows with fewer kept tokens than the longest are filled up with their
+    first removed tokens, key-masked, so that the answer rows line up."""
+    rest = ~hidden[:, first:]
+    length = int(rest.sum(1).max())
+    tokens = []
+    for keep in rest:
+        filler = (~keep).nonzero()[: length - int(keep.sum()), 0]
+        tokens.append(torch.cat([keep.nonzero()[:, 0], filler]).sort().values + first)
+    tokens = torch.stack(tokens).to(ids.device)  # [batch, length] original positions
+    prefix = torch.arange(first, device=ids.device).expand(len(hidden), -1)
+    filled = hidden.to(ids.device).gather(1, tokens)
+    key_mask = mask_keys(inner, hidden) if bool(filled.any()) else nullcontext()
+    with original_positions(inner, torch.cat([prefix, tokens], dim=1)), key_mask:
+        return inner(
+            input_ids=ids[0, tokens],
+            position_ids=tokens,
+            attention_mask=torch.ones(len(hidden), first + length, dtype=torch.long, device=ids.device),
+            past_key_values=past,
+            use_cache=first > 0,
+            logits_to_keep=rows - ids.shape[1] + length,  # the answer rows sit at the end
+        ).logits.float()
 
 
 def top_k_masks(scores: torch.Tensor, ks: Sequence[int] = KS) -> torch.Tensor:
@@ -164,12 +215,14 @@ def evaluate(
     seed: int = 0,
     reuse_prefix: bool = True,
     batch_size: int = 1,
+    compact: bool | None = None,
 ) -> pd.DataFrame:
     """Faithfulness of several source scorings of one sample, one row per scorer.
 
     ``scores``: name → Tensor[sources] (see :func:`source_scores`). Every scorer is judged on the
     same ablations: removing / keeping its top-k sources for k in ``ks`` and ``n_masks`` random
-    masks (each source kept with probability ``keep``, seeded) for LDS. Identical masks run once.
+    masks (each source kept with probability ``keep``, seeded) for LDS. Identical masks run once, as
+    :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``).
     Columns: ``scorer``, ``full_logprob``, ``full_correct``, ``comprehensiveness_k{k}``,
     ``sufficiency_k{k}``, ``correct_removed_k{k}``, ``correct_kept_k{k}``, ``aopc_comprehensiveness``,
     ``aopc_sufficiency``, ``lds``, ``n_sources``.
@@ -186,7 +239,8 @@ def evaluate(
         masks[f"{name}/removed"] = top
         masks[f"{name}/kept"] = ~top
     unique, where = torch.cat(list(masks.values())).unique(dim=0, return_inverse=True)
-    results = answer_scores(model, sample, unique, reuse_prefix, batch_size)
+    compact = compaction_supported(model) if compact is None else compact
+    results = answer_scores(model, sample, unique, reuse_prefix, batch_size, compact)
     bounds = np.cumsum([0] + [len(m) for m in masks.values()])
     lookup = {
         key: AnswerScores(results.logprob[where[a:b]], results.correct[where[a:b]])
@@ -209,6 +263,12 @@ def evaluate(
         rows.append(row)
     frame = pd.DataFrame(rows)
     frame.attrs = dict(
-        ks=list(ks), n_masks=n_masks, keep=keep, seed=seed, reuse_prefix=reuse_prefix, batch_size=batch_size
+        ks=list(ks),
+        n_masks=n_masks,
+        keep=keep,
+        seed=seed,
+        reuse_prefix=reuse_prefix,
+        batch_size=batch_size,
+        ablation="compaction" if compact else "key_masking",
     )
     return frame

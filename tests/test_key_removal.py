@@ -1,0 +1,102 @@
+"""The key-removal gradient and gradient × input: against autograd through explicit eager masks,
+finite differences of the biased model, and the one-by-one shared pass."""
+
+import pytest
+import torch
+from reference import explicit_masks
+
+import probe
+from probe import detectors
+from probe.attribution import answer_logprob, key_removal_gradient
+from probe.capture import bias_keys
+
+SEQ = 24
+TARGETS = torch.tensor([21, 22, 23])
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def eager_key_removal_gradient(model, ids, targets) -> torch.Tensor:
+    """∂ Σ log P(targets)/∂b by autograd through eager attention under hand-built additive masks
+    with b_j added to every entry (i, j), i > j: Tensor[seq]."""
+    bias = torch.zeros(SEQ, requires_grad=True)
+    later = torch.ones(SEQ, SEQ).tril(-1)
+    masks = {kind: mask + bias * later for kind, mask in explicit_masks(model, SEQ).items()}
+    original = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[0, targets - 1]
+    finally:
+        model.set_attn_implementation(original)
+    logprob = logits.log_softmax(-1).gather(-1, ids[0, targets, None]).sum()
+    (grad,) = torch.autograd.grad(logprob, bias)
+    return grad
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_key_removal_gradient_equals_eager_autograd(tiny, ids, checkpoint):
+    expected = eager_key_removal_gradient(tiny, ids, TARGETS)
+    got = key_removal_gradient(tiny, ids, TARGETS, checkpoint=checkpoint)
+    assert (got - expected).abs().max() <= 1e-6
+    assert expected.abs().max() > 1e-3  # not trivially zero
+    assert got[-1] == 0  # no later query reads the last key
+    assert not any(p.requires_grad is False for p in tiny.parameters())  # parameters restored
+
+
+def test_key_removal_gradient_equals_a_finite_difference_of_the_biased_model(tiny, ids):
+    got = key_removal_gradient(tiny.double(), ids, TARGETS)
+    eps = 1e-2  # central difference: O(eps²) error; parts of the model compute in fp32
+    for j in (0, 3, 10, 17):
+        values = []
+        for step in (eps, -eps):
+            bias = torch.zeros(1, SEQ, dtype=torch.float64)
+            bias[0, j] = step
+            with torch.no_grad(), bias_keys(tiny, bias):
+                values.append(float(answer_logprob(tiny, ids, TARGETS)))
+        assert (values[0] - values[1]) / (2 * eps) == pytest.approx(float(got[j]), abs=5e-5)
+
+
+def test_bias_keys_at_zero_changes_nothing_and_refuses_a_kv_cache(tiny, ids):
+    with torch.no_grad():
+        plain = tiny(input_ids=ids).logits
+        with bias_keys(tiny, torch.zeros(SEQ)):
+            biased = tiny(input_ids=ids, use_cache=False).logits
+        assert torch.allclose(plain, biased, atol=1e-6)
+        past = tiny(input_ids=ids[:, :-1]).past_key_values
+        with pytest.raises(ValueError, match="without a KV cache"), bias_keys(tiny, torch.zeros(SEQ)):
+            tiny(input_ids=ids[:, -1:], past_key_values=past)
+
+
+def test_detectors_sum_their_first_order_effects_over_sources(tokenizer_sample):
+    tokenizer, sample = tokenizer_sample
+    model = probe.tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=1024)
+    found = detectors.detect_many(["attention", "grad_times_input", "key_removal_grad"], model, tokenizer, sample)
+    gradient = key_removal_gradient(model, sample.input_ids, sample.target_positions)
+    assert torch.allclose(found["key_removal_grad"].scores, gradient)
+    first = sample.sources[0]
+    assert found["key_removal_grad"].details["source_scores"][0] == pytest.approx(
+        float(gradient[first.start : first.end].sum())
+    )
+    alone = probe.detect("grad_times_input", model, tokenizer, sample)
+    assert torch.allclose(found["grad_times_input"].scores, alone.scores, atol=1e-6)
+    # gradient × input by hand: e · ∂ Σ log P/∂e with a leaf embedding
+    embeds = model.get_input_embeddings()(sample.input_ids[None]).detach().requires_grad_(True)
+    targets = sample.target_positions
+    logits = model(inputs_embeds=embeds, use_cache=False).logits[0, targets - 1]
+    logits.log_softmax(-1).gather(-1, sample.input_ids[targets, None]).sum().backward()
+    by_hand = (embeds * embeds.grad).sum(-1)[0]
+    assert torch.allclose(alone.scores, by_hand, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_sample():
+    from transformers import AutoTokenizer
+
+    from probe import tasks
+
+    tokenizer = AutoTokenizer.from_pretrained(probe.models.converted_folder("smollm2-135m"))
+    return tokenizer, tasks.make("multihop-2", tokenizer, 300, seed=1)
