@@ -8,8 +8,8 @@ Each detector is judged two ways on the same samples:
 - plausibility, :func:`probe.metrics.evaluate`: its token scores against the sample's exact spans;
 - faithfulness, :func:`probe.faithfulness.evaluate`: its scores per source (fact, emoji, essay
   sentence; ``--source-reduce`` over a source's tokens, or the ablation detectors' own source
-  scores) ranked, the top-k sources removed / kept by key masking, and the gold answer's
-  log-probability watched (comprehensiveness, sufficiency, AOPC over k = 1, 2, 4, 8; LDS over
+  scores) ranked, the top-k sources removed / kept (compacted passes, equal to key masking), and the
+  gold answer's log-probability watched (comprehensiveness, sufficiency, AOPC over ``--ks``; LDS over
   ``--masks`` random masks), beside two references: ``ground_truth`` (the supporting facts) and
   ``random_sources`` (seeded uniform source scores).
 
@@ -27,27 +27,32 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
 - ``detector_{tag}_view_{detector}.html``: each detector's token view of the first sample
   (:mod:`probe.views`; self-contained, opens offline);
 - ``detector_{tag}_ranks.{csv,md}``: each detector's plausibility rank (mean AUROC) beside its
-  faithfulness ranks (mean AOPC of comprehensiveness, mean LDS), correct / wrong / all answers.
+  faithfulness ranks (mean AOPC of comprehensiveness, mean LDS), correct / wrong / all answers;
+- ``detector_{tag}_intervals``: each scorer's mean AOPC (comprehensiveness, sufficiency) and LDS
+  with 95 % bootstrap intervals over samples, and its paired difference from ``attention`` and from
+  ``leave_one_out`` (the exact ablation), with intervals.
 
-Faithfulness costs one masked forward pass per distinct mask: up to 8 per scorer (top-k removed /
-kept) plus the random masks, up to 113 passes a sample with the quick set (a sample took ~2.2
-minutes at 1K tokens on an otherwise idle 2-core CPU, of which ~9 s are the detectors). So
-the quick default runs ONE sample per task (two samples: too few to conclude from, enough to check
-the pipeline and see the curves; 4.6 minutes in all here), to stay within ten minutes; raise
-``--samples`` for numbers to draw conclusions from. The ablation detectors
-(``leave_one_out``, ``context_cite``) and ``integrated_gradients`` cost tens of passes a sample and
-are left out of the quick set; add them with ``--detectors``.
+The default judges the one-pass detectors (``attention``, ``fr``, ``information_flow``,
+``embedding_grad``, ``grad_times_input``, ``key_removal_grad``, ``at2`` where head weights fit the
+model), two model-free baselines and exact ``leave_one_out`` on 24 samples (12 per task). Every row
+says what the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass per
+distinct mask (compacted: only the kept tokens run), up to ~110 a sample; leave-one-out one per
+source. Other settings than the defaults write to a folder of their own under ``figures/studies``,
+so that ``figures/`` holds exactly what the default writes.
 
-    python -m analyses.detector_compare                               # quick default, SmolLM2, ~1K tokens
-    python -m analyses.detector_compare --samples 8                   # 16 samples, ~36 minutes here
-    python -m analyses.detector_compare --samples 4 --detectors attention information_flow leave_one_out
-    python -m analyses.detector_compare --model gemma3-270m --length 4096 --samples 12
+    python -m analyses.detector_compare                               # the main job, SmolLM2, ~1K tokens
+    python -m analyses.detector_compare --samples 4 --detectors attention information_flow
+    python -m analyses.detector_compare --model gemma3-270m --length 4096 --samples 12 --ks 1 4 --masks 16
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import shutil
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -57,15 +62,38 @@ import seaborn as sns
 import torch
 
 import probe
+from analyses import stats
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
 from probe import detectors, faithfulness, metrics, tasks
+from probe.at2 import HeadWeights
 from probe.generation import answer
 
-SLOW_DETECTORS = ("integrated_gradients", "leave_one_out", "context_cite")
-QUICK_DETECTORS = [name for name in detectors.names() if name not in SLOW_DETECTORS]
-SAMPLES_QUICK = 1  # per task: faithfulness costs up to 113 masked passes a sample (see above)
+DEFAULT_DETECTORS = [
+    "attention",
+    "fr",
+    "information_flow",
+    "embedding_grad",
+    "grad_times_input",
+    "key_removal_grad",
+    "at2",
+    "lexical_overlap",
+    "recency",
+    "leave_one_out",
+]
+ONE_PASS = (
+    "attention",
+    "fr",
+    "information_flow",
+    "embedding_grad",
+    "grad_times_input",
+    "key_removal_grad",
+    "at2",
+)
+SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
 REFERENCES = ("ground_truth", "random_sources")
+BASELINES = ("attention", "leave_one_out")  # every scorer's difference from these, with intervals
+INTERVAL_METRICS = ("aopc_comprehensiveness", "aopc_sufficiency", "lds")
 LAYER_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
 SCORE_COLUMNS = {
     "auroc": "AUROC (supporting)",
@@ -103,16 +131,11 @@ def source_scorers(
 ) -> dict[str, torch.Tensor]:
     """Scorer name → Tensor[sources]: every detection's source scores, then the two references.
 
-    A detection's own ``details["source_scores"]`` (the ablation detectors) is used as it is; other
-    token scores become source scores by ``reduce`` (:func:`probe.faithfulness.source_scores`).
+    :meth:`probe.detectors.Detection.source_scores`: a detector's own source scores (ablation and
+    additive detectors), else ``reduce`` over each source's tokens.
     ``ground_truth`` scores the supporting facts 1; ``random_sources`` is uniform, seeded by the sample.
     """
-    scores = {
-        name: detection.details["source_scores"].float()
-        if "source_scores" in detection.details
-        else faithfulness.source_scores(detection.scores, sample.sources, reduce)
-        for name, detection in found.items()
-    }
+    scores = {name: detection.source_scores(sample, reduce) for name, detection in found.items()}
     scores["ground_truth"] = faithfulness.ground_truth_scores(sample)
     random = np.random.default_rng(sample.seed).random(len(sample.sources))  # not torch's stream of the masks
     scores["random_sources"] = torch.tensor(random, dtype=torch.float32)
@@ -132,19 +155,36 @@ def compare_samples(
     seed: int = 0,
     batch_size: int = 1,
     pages: Path | None = None,
+    ks: Sequence[int] = faithfulness.KS,
 ) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
     """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on ``samples``.
 
     ``options[name]`` go to detector ``name``; the attention family of all ``samples`` comes from one
     batched pass (:func:`probe.detectors.detect_many`); faithfulness as :func:`judge_faithfulness`,
-    ``batch_size`` masked passes at a time. ``pages``: write each detector's token view of the first
-    sample there (``{pages}_{name}.html``).
+    ``batch_size`` masked passes at a time. Each row carries the detector's cost on its sample:
+    ``seconds`` (the shared pass's time for the detectors read off it) and ``passes`` (forward or
+    forward+backward passes: 1 for a one-pass detector, 0 for a model-free one, the ablation
+    detectors' own count). ``pages``: write each detector's token view of the first sample there
+    (``{pages}_{name}.html``).
     """
     rows, layers, faithful = [], [], []
-    found_all = detectors.detect_many(names, model, tokenizer, samples, options)
+    options = options or {}
+    shared = [name for name in names if name in detectors.SHARED_PASS]
+    start = time.perf_counter()
+    found_all = (
+        detectors.detect_many(shared, model, tokenizer, samples, options) if shared else [{}] * len(samples)
+    )
+    seconds = [dict.fromkeys(shared, (time.perf_counter() - start) / len(samples)) for _ in samples]
+    for sample, found, cost in zip(samples, found_all, seconds, strict=True):
+        for name in names:
+            if name not in shared:
+                start = time.perf_counter()
+                found[name] = detectors.detect(name, model, tokenizer, sample, **options.get(name, {}))
+                cost[name] = time.perf_counter() - start
+    found_all = [{name: found[name] for name in names} for found in found_all]
     for name, detection in found_all[0].items() if pages is not None else ():
         detection.save_html(pages.with_name(f"{pages.name}_{name}.html"))
-    for sample, found in zip(samples, found_all, strict=True):
+    for sample, found, cost in zip(samples, found_all, seconds, strict=True):
         generated = answer(model, tokenizer, sample, max_new_tokens)
         about = {
             "task": sample.task,
@@ -159,13 +199,16 @@ def compare_samples(
                     **about,
                     **metrics.evaluate(detection, sample, top_k),
                     **_diagnostics(detection),
+                    "seconds": cost[name],
+                    "passes": detection.details.get("passes", int(name in ONE_PASS)),
                 }
             )
             if name in ("attention", "information_flow"):
                 layers.append(
                     layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
                 )
-        judged = judge_faithfulness(model, sample, found, source_reduce, n_masks, seed, batch_size)
+        judged = judge_faithfulness(model, sample, found, source_reduce, n_masks, seed, batch_size, ks)
+        judged["seconds"] = judged.scorer.map(cost)
         faithful.append(judged.assign(**about))
     return rows, layers, pd.concat(faithful, ignore_index=True)
 
@@ -178,15 +221,17 @@ def judge_faithfulness(
     n_masks: int = 32,
     seed: int = 0,
     batch_size: int = 1,
+    ks: Sequence[int] = faithfulness.KS,
 ) -> pd.DataFrame:
     """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
-    ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``)."""
+    ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``),
+    ``ablation`` (compaction or key masking)."""
     scorers = source_scorers(found, sample, source_reduce)
     faithful = faithfulness.evaluate(
-        model, sample, scorers, ks=faithfulness.KS, n_masks=n_masks, seed=seed, batch_size=batch_size
+        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size
     )
     faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
-    return faithful.assign(source_reduce=source_reduce, n_masks=n_masks)
+    return faithful.assign(source_reduce=source_reduce, n_masks=n_masks, ablation=faithful.attrs["ablation"])
 
 
 def _diagnostics(detection: detectors.Detection) -> dict:
@@ -307,11 +352,14 @@ def _by_answer(frame: pd.DataFrame) -> pd.DataFrame:
 
 def rank_table(table: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
     """Per answer group and detector: mean AUROC, AOPC of comprehensiveness and LDS, each with its
-    rank among the detectors (1 = best; NaN means rank last), and the number of samples."""
+    rank among the detectors (1 = best; NaN means rank last), the mean seconds a sample, and the
+    number of samples."""
     plausible = _by_answer(table).groupby(["answer", "detector"]).auroc.mean()
     detectors_only = faithful[faithful.kind == "detector"].rename(columns={"scorer": "detector"})
     grouped = _by_answer(detectors_only).groupby(["answer", "detector"])
-    causal = grouped[["comprehensiveness_k1", "aopc_comprehensiveness", "aopc_sufficiency", "lds"]].mean()
+    causal = grouped[
+        ["comprehensiveness_k1", "aopc_comprehensiveness", "aopc_sufficiency", "lds", "seconds"]
+    ].mean()
     ranks = causal.join(plausible).join(grouped.seed.size().rename("samples")).reset_index()
     for column, name in RANKED.items():
         ranks[f"rank_{name}"] = (
@@ -323,23 +371,91 @@ def rank_table(table: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
     return ranks.sort_values(["answer", "rank_plausibility"]).reset_index(drop=True)
 
 
-def ranks_markdown(ranks: pd.DataFrame) -> str:
-    """The rank table as GitHub markdown, one table per answer group."""
+def ranks_markdown(ranks: pd.DataFrame, intervals: pd.DataFrame) -> str:
+    """The rank table as GitHub markdown, one table per answer group, with the 95 % bootstrap
+    intervals of AOPC and LDS (``intervals``: :func:`faithfulness_intervals`) and the cost."""
     header = (
-        "| detector | AUROC | rank | comp. k=1 (nats) | AOPC comp. (nats) | rank | LDS | rank |\n"
-        "|---|---|---|---|---|---|---|---|"
+        "| detector | AUROC | rank | comp. k=1 (nats) | AOPC comp. (nats) [95 % CI] | rank "
+        "| LDS [95 % CI] | rank | s / sample |\n|---|---|---|---|---|---|---|---|---|"
     )
+    own = intervals[intervals.versus == ""].set_index(["answer", "scorer", "metric"])
+
+    def ci(group: str, detector: str, metric: str) -> str:
+        row = own.loc[(group, detector, metric)]
+        return (
+            f"{row.value:.2f} [{row.low:.2f}, {row.high:.2f}]" if np.isfinite(row.low) else f"{row.value:.2f}"
+        )
+
     parts = []
     for group, part in ranks.groupby("answer", observed=True):
         lines = [
             f"| `{r.detector}` | {r.auroc:.2f} | {r.rank_plausibility} | {r.comprehensiveness_k1:.2f} "
-            f"| {r.aopc_comprehensiveness:.2f} | {r.rank_comprehensiveness} | {r.lds:.2f} | {r.rank_LDS} |"
+            f"| {ci(group, r.detector, 'aopc_comprehensiveness')} | {r.rank_comprehensiveness} "
+            f"| {ci(group, r.detector, 'lds')} | {r.rank_LDS} | {r.seconds:.1f} |"
             for r in part.itertuples()
         ]
         n = int(part.samples.max())
         title = f"### {ANSWERS[group].capitalize()} ({n} sample{'s' * (n != 1)})"
         parts.append(f"{title}\n\n{header}\n" + "\n".join(lines))
     return "\n\n".join(parts) + "\n\nRank 1 = best (AUROC: plausibility; AOPC and LDS: faithfulness).\n"
+
+
+def faithfulness_intervals(faithful: pd.DataFrame) -> pd.DataFrame:
+    """Per answer group, scorer and metric (:data:`INTERVAL_METRICS`): the mean over samples with its
+    95 % bootstrap interval (``versus`` empty), and the mean paired difference from each of
+    :data:`BASELINES` that ran (``versus`` = its name), with its interval. NaN values (a constant
+    scorer has no LDS) are left out; ``samples`` counts the rest."""
+    rows = []
+    grouped = _by_answer(faithful)
+    for (group, scorer), part in grouped.groupby(["answer", "scorer"], sort=False):
+        for metric in INTERVAL_METRICS:
+            rows.append(_interval(part[metric], answer=group, scorer=scorer, metric=metric, versus=""))
+    for metric in INTERVAL_METRICS:
+        wide = grouped.pivot_table(
+            index=["answer", "task", "seed"], columns="scorer", values=metric, dropna=False
+        )
+        for baseline in [b for b in BASELINES if b in wide]:
+            for scorer in [s for s in wide if s != baseline]:
+                for group, part in (wide[scorer] - wide[baseline]).groupby(level="answer", sort=False):
+                    rows.append(_interval(part, answer=group, scorer=scorer, metric=metric, versus=baseline))
+    return pd.DataFrame([row for row in rows if row is not None])
+
+
+def _interval(values: pd.Series, **about) -> dict | None:
+    """``about`` with the mean of ``values`` and its bootstrap interval; None when every value is NaN."""
+    if values.isna().all():
+        return None
+    estimate = stats.bootstrap(values.to_numpy())
+    return {
+        **about,
+        "value": estimate.value,
+        "low": estimate.low,
+        "high": estimate.high,
+        "samples": estimate.n,
+    }
+
+
+def plot_intervals(intervals: pd.DataFrame) -> plt.Figure:
+    """Each scorer's mean AOPC of comprehensiveness and LDS over all samples with 95 % intervals,
+    and its difference from ``leave_one_out`` (the exact ablation), sorted by LDS."""
+    data = intervals[intervals.answer == "all"]
+    panels = [("aopc_comprehensiveness", "", "AOPC of comprehensiveness (nats)"), ("lds", "", "LDS")]
+    if "leave_one_out" in set(data.versus):
+        panels.append(("lds", "leave_one_out", "LDS − leave_one_out's"))
+    order = data[(data.metric == "lds") & (data.versus == "")].sort_values("value", ascending=False).scorer
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(4.2 * len(panels), 0.35 * len(order) + 1.6), sharey=True
+    )
+    for ax, (metric, versus, label) in zip(np.atleast_1d(axes), panels, strict=True):
+        part = data[(data.metric == metric) & (data.versus == versus)].set_index("scorer").reindex(order)
+        y = np.arange(len(order))
+        ax.errorbar(part.value, y, xerr=[part.value - part.low, part.high - part.value], fmt="o", capsize=3)
+        ax.axvline(0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set(xlabel=label, yticks=y, yticklabels=list(order))
+    n = int(data.samples.max())
+    fig.suptitle(f"Faithfulness per scorer, mean over {n} samples with 95 % bootstrap intervals", y=1.02)
+    axes[0].invert_yaxis()
+    return fig
 
 
 def faithfulness_summary(faithful: pd.DataFrame) -> pd.DataFrame:
@@ -356,19 +472,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m", help="model name or local HF folder")
     parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"], choices=tasks.names())
     parser.add_argument("--length", type=int, default=1024, help="prompt length in tokens")
-    parser.add_argument(
-        "--samples",
-        type=int,
-        default=SAMPLES_QUICK,
-        help=f"samples per task (default {SAMPLES_QUICK}, so that the quick default fits ten minutes on "
-        "2 CPU cores: faithfulness costs ~2 minutes a sample at 1K; use 8 or more to conclude)",
-    )
+    parser.add_argument("--samples", type=int, default=SAMPLES, help=f"samples per task (default {SAMPLES})")
     parser.add_argument(
         "--detectors",
         nargs="+",
-        default=QUICK_DETECTORS,
+        default=None,
         choices=detectors.names(),
-        help=f"default: all but {', '.join(SLOW_DETECTORS)} (tens of passes a sample)",
+        help=f"default: {' '.join(DEFAULT_DETECTORS)} (at2 where head weights fit the model)",
+    )
+    parser.add_argument(
+        "--ks",
+        type=int,
+        nargs="+",
+        default=list(faithfulness.KS),
+        help="numbers of top sources removed / kept (comprehensiveness, sufficiency)",
     )
     parser.add_argument("--top-k", type=int, default=30, help="k of the top-k sets (CDT uses 30)")
     parser.add_argument(
@@ -391,7 +508,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "batches of 4 sped up leave-one-out's passes 1.2x but slowed the whole faithfulness evaluation, "
         "see the README; on a GPU use 8-16)",
     )
-    parser.add_argument("--out", type=Path, default=Path("figures"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: figures/ for the default settings (what the README shows), else "
+        "figures/studies/detector_{model}-{length}_{settings hash}/",
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -406,12 +529,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--masks must be at least 2 (LDS is a rank correlation over masks)")
     if args.length < 64:
         parser.error("--length must be at least 64 tokens")
+    if min(args.ks) < 1:
+        parser.error("--ks must be positive numbers of sources")
     return args
+
+
+def study_folder(args: argparse.Namespace) -> Path:
+    """``figures`` for the main job's default settings (any model and length: their files are named by
+    both), else a folder of its own under ``figures/studies``, named by a hash of the settings."""
+    defaults = vars(parse_args([]))
+    chosen = {
+        key: value for key, value in vars(args).items() if key not in ("model", "length", "out", "resume")
+    }
+    if all(value == defaults[key] for key, value in chosen.items()):
+        return Path("figures")
+    digest = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return Path("figures") / "studies" / f"detector_{Path(args.model).name}-{args.length}_{digest}"
+
+
+def default_detectors(model) -> list[str]:
+    """:data:`DEFAULT_DETECTORS`, less ``at2`` where no bundled head weights fit ``model``."""
+    return [name for name in DEFAULT_DETECTORS if name != "at2" or HeadWeights.bundled(model) is not None]
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
+    out = args.out or study_folder(args)
     model, tokenizer = probe.load_model(args.model)
+    names = args.detectors or default_detectors(model)
     context = model.config.get_text_config().max_position_embeddings
     if args.length + args.max_new_tokens > context:
         raise SystemExit(
@@ -421,7 +566,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     lsd_k = args.lsd_k or args.length // 4
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
     options["context_cite"] = {"seed": args.seed + 1}  # its masks must differ from the LDS masks (seed)
-    options |= {name: {"top_k": args.top_k} for name in args.detectors if "top_k" in detectors.options(name)}
+    options |= {name: {"top_k": args.top_k} for name in names if "top_k" in detectors.options(name)}
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]
     tag = f"{Path(args.model).name}-{args.length}"
@@ -434,7 +579,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             model,
             tokenizer,
             chunk,
-            args.detectors,
+            names,
             args.top_k,
             args.max_new_tokens,
             options,
@@ -442,12 +587,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             n_masks=args.masks,
             seed=args.seed,
             batch_size=args.batch_size,
-            pages=args.out / f"detector_{tag}_view" if job == jobs[0] else None,
+            pages=out / f"detector_{tag}_view" if job == jobs[0] else None,
+            ks=args.ks,
         )
         layers = pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
         return {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
 
-    parts = args.out / f".detector_{tag}_parts"
+    parts = out / f".detector_{tag}_parts"
     found = sweep(jobs, run, parts, args.resume, desc=f"detector_compare {args.model} (batches)")
     if found is None:  # not the main process of an accelerate launch: it writes the outputs
         return pd.DataFrame()
@@ -455,22 +601,25 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     table = found["metrics"].assign(**settings)
     faithful = found["faithfulness"].assign(**settings)
     layers = [found["layers"]] if not found["layers"].empty else []
-    atomic_write(args.out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
+    atomic_write(out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
     fig, shares = plot_categories(table)
-    save_figure(fig, shares, args.out, f"detector_{tag}_categories")
+    save_figure(fig, shares, out, f"detector_{tag}_categories")
     fig, summary = plot_scores(table)
-    save_figure(fig, summary, args.out, f"detector_{tag}_scores")
+    save_figure(fig, summary, out, f"detector_{tag}_scores")
     if layers:
         layer_table = layers[0]
-        save_figure(plot_layers(layer_table), layer_table, args.out, f"detector_{tag}_layers")
-    save_figure(plot_deletion(faithful), faithful, args.out, f"detector_{tag}_faithfulness")
+        save_figure(plot_layers(layer_table), layer_table, out, f"detector_{tag}_layers")
+    save_figure(plot_deletion(faithful), faithful, out, f"detector_{tag}_faithfulness")
+    intervals = faithfulness_intervals(faithful)
+    save_figure(plot_intervals(intervals), intervals, out, f"detector_{tag}_intervals")
     ranks = rank_table(table, faithful)
-    atomic_write(args.out / f"detector_{tag}_ranks.csv", lambda tmp: ranks.to_csv(tmp, index=False))
-    atomic_write(args.out / f"detector_{tag}_ranks.md", lambda tmp: tmp.write_text(ranks_markdown(ranks)))
+    markdown = ranks_markdown(ranks, intervals)
+    atomic_write(out / f"detector_{tag}_ranks.csv", lambda tmp: ranks.to_csv(tmp, index=False))
+    atomic_write(out / f"detector_{tag}_ranks.md", lambda tmp: tmp.write_text(markdown))
     accuracy = table.drop_duplicates(["task", "seed"]).groupby("task").correct.mean()
     print(f"accuracy by task:\n{accuracy.to_string()}\n\n{summary.round(3).to_string(index=False)}")
     print(f"\nfaithfulness:\n{faithfulness_summary(faithful).round(3).to_string(index=False)}")
-    print(f"\n{ranks_markdown(ranks)}")
+    print(f"\n{markdown}")
     shutil.rmtree(parts, ignore_errors=True)  # every output is written: nothing left to resume
     return table
 

@@ -1,63 +1,136 @@
-"""Leave-one-out ablation: reusing the unmasked prefix's KV cache vs re-running every masked pass.
+"""Ablation passes: key masking vs prefix reuse vs compaction, and pruned leave-one-out.
 
 Each (method, length) runs in its own child process (``bench/harness.py``) on the same sample
-(``multihop-1`` at the given prompt length, seed 0) and computes the same thing: the gold answer's
-log-probability with nothing removed and with each source removed in turn (key masking,
-:func:`probe.faithfulness.answer_scores`), i.e. the :func:`probe.detectors.leave_one_out` detector.
+(``multihop-2`` at the given prompt length, seed 0). The mask methods score the same masks, a slice of
+one faithfulness evaluation (:func:`probe.faithfulness.answer_scores`): the full context, 4 random
+half masks, the top-k supporting facts removed and kept for k = 1, 2, 4, 8 (sufficiency keeps few
+tokens), and 4 single sources removed (leave-one-out passes) — 17 masks:
 
-- ``naive``: every masked pass runs the whole sequence;
-- ``prefix``: the unmasked prefix before each pass's first removed token is run once, in order,
-  and each pass starts from a copy of its KV cache (exact: same log-probabilities);
-- ``prefix_batch4``: the same, four masks per forward.
+- ``key_masking``: every pass runs the whole sequence with the removed tokens key-masked;
+- ``prefix``: key masking, the unmasked prefix before each pass's first removed token run once;
+- ``compaction``: prefix reuse, and each pass runs only the kept tokens at their original positions;
+- ``compaction_batch4``: the same, four masks per forward.
+
+``logprob_sum`` is a checksum: equal (to fp32 rounding) across the mask methods.
+
+The leave-one-out methods (``loo_*``, :func:`probe.detectors.leave_one_out`, compaction on) run on
+``--loo-samples`` samples (multihop-2, seeds 0, 1, ...) and report passes and seconds per sample and,
+against ``loo_exhaustive``: how often the top source is the same (``top1_agreement``) and the
+Spearman correlation of the source scores:
+
+- ``loo_exhaustive``: one pass per source;
+- ``loo_pruned``: exact on the 8 sources that ``key_removal_grad`` ranks highest (its cost included);
+- ``loo_hierarchical``: blocks of 4 sources, the 3 blocks with the largest drops refined.
 
     python bench/ablation_speed.py                        # SmolLM2-135M at 1K tokens
-    python bench/ablation_speed.py --lengths 1024 2048 --csv bench/results/ablation_speed.csv
+    python bench/ablation_speed.py --model gemma3-270m --lengths 1024 4096 --csv out.csv
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import time
 
 import pandas as pd
-from harness import bench_parser, measure, run_bench
+from harness import bench_parser, measure, report, run_bench
 
-METHODS = ("naive", "prefix", "prefix_batch4")
+MASK_METHODS = {
+    "key_masking": dict(reuse_prefix=False, compact=False),
+    "prefix": dict(reuse_prefix=True, compact=False),
+    "compaction": dict(reuse_prefix=True, compact=True),
+    "compaction_batch4": dict(reuse_prefix=True, compact=True, batch_size=4),
+}
+LOO_METHODS = {
+    "loo_exhaustive": {},
+    "loo_pruned": dict(top_m=8, rank_by="key_removal_grad"),
+    "loo_hierarchical": dict(block=4, refine=3),
+}
+METHODS = (*MASK_METHODS, *LOO_METHODS)
 
 
-def _run_child(method: str, length: int, model_name: str, threads: int) -> dict:
-    """Score every leave-one-out mask once in this (fresh) process; return time, memory, a checksum."""
+def bench_masks(sample):
+    """BoolTensor[17, sources] of removed sources: the slice of a faithfulness evaluation above."""
     import torch
+
+    from probe import faithfulness
+
+    n_sources = len(sample.sources)
+    top = faithfulness.top_k_masks(faithfulness.ground_truth_scores(sample), faithfulness.KS)
+    single = torch.eye(n_sources, dtype=torch.bool)[torch.linspace(0, n_sources - 1, 4).long()]
+    random = ~faithfulness.random_masks(n_sources, 4, seed=0)
+    return torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), random, top, ~top, single])
+
+
+def _run_child(method: str, length: int, model_name: str, threads: int, loo_samples: int) -> dict:
+    """Measure one method in this (fresh) process: time, memory, passes and a checksum or agreement."""
+    import torch
+    from scipy.stats import spearmanr
 
     import probe
     from probe import faithfulness, tasks
 
     torch.set_num_threads(threads)
     model, tokenizer = probe.load_model(model_name)
-    sample = tasks.make("multihop-1", tokenizer, length, seed=0)
-    n_sources = len(sample.sources)
-    removed = torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), torch.eye(n_sources, dtype=torch.bool)])
-    settings = {
-        "naive": dict(reuse_prefix=False),
-        "prefix": dict(reuse_prefix=True),
-        "prefix_batch4": dict(reuse_prefix=True, batch_size=4),
-    }[method]
+    sample = tasks.make("multihop-2", tokenizer, length, seed=0)
+    if method in MASK_METHODS:
+        removed = bench_masks(sample)
 
-    def run():
-        return faithfulness.answer_scores(model, sample, removed, **settings)
+        def run():
+            return faithfulness.answer_scores(model, sample, removed, **MASK_METHODS[method])
 
-    def warm_up():
-        faithfulness.answer_scores(model, sample, removed[:2])
-
-    stats, result = measure(run, warm_up)
-    return {**stats, "passes": len(removed), "logprob_sum": float(result.logprob.sum())}
+        stats, result = measure(run, lambda: faithfulness.answer_scores(model, sample, removed[:2]))
+        return {**stats, "samples": 1, "passes": len(removed), "logprob_sum": float(result.logprob.sum())}
+    samples = [tasks.make("multihop-2", tokenizer, length, seed=seed) for seed in range(loo_samples)]
+    faithfulness.answer_scores(model, sample, bench_masks(sample)[:2])  # warm up
+    rows = []
+    for one in samples:
+        start = time.perf_counter()
+        found = probe.detect("leave_one_out", model, tokenizer, one, **LOO_METHODS[method])
+        seconds = time.perf_counter() - start
+        exhaustive = (
+            found if method == "loo_exhaustive" else probe.detect("leave_one_out", model, tokenizer, one)
+        )
+        ours, exact = found.details["source_scores"], exhaustive.details["source_scores"]
+        rows.append(
+            {
+                "seconds": seconds,
+                "passes": found.details["passes"],
+                "top1_agreement": float(ours.argmax() == exact.argmax()),
+                "spearman_vs_exhaustive": float(spearmanr(ours.numpy(), exact.numpy()).statistic),
+            }
+        )
+    return {**pd.DataFrame(rows).mean().to_dict(), "samples": len(samples), "peak_mib": float("nan")}
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = bench_parser(__doc__, METHODS, [1024])
+    parser.add_argument("--models", nargs="+", default=None, help="several models in one invocation")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--loo-samples", type=int, default=4, help="samples for the loo_* rows")
     args = parser.parse_args(argv)
-    child = functools.partial(_run_child, model_name=args.model, threads=args.threads)
-    return run_bench(args, __file__, ["--threads", str(args.threads)], child, "naive")
+    child = functools.partial(
+        _run_child, model_name=args.model, threads=args.threads, loo_samples=args.loo_samples
+    )
+    forwarded = ["--threads", str(args.threads), "--loo-samples", str(args.loo_samples)]
+    if args.child:
+        return run_bench(args, __file__, forwarded, child, "")
+    tables = []
+    for model in args.models or [args.model]:
+        one = run_bench(
+            argparse.Namespace(**{**vars(args), "model": model, "csv": None}), __file__, forwarded, child, ""
+        )
+        tables.append(one.assign(model=model))
+    table = pd.concat(tables, ignore_index=True)
+    table["seconds_per_sample"] = table.seconds / table.samples
+    table["passes_per_second"] = table.passes / table.seconds_per_sample
+    for baseline in ("key_masking", "prefix"):
+        reference = table[table.method == baseline].set_index(["model", "length"]).seconds_per_sample
+        keys = pd.MultiIndex.from_frame(table[["model", "length"]])
+        table[f"time_vs_{baseline}"] = (
+            table.seconds_per_sample.to_numpy() / reference.reindex(keys).to_numpy()
+        )
+    return report(table, args.csv)
 
 
 if __name__ == "__main__":

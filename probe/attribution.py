@@ -339,7 +339,10 @@ def answer_logprob(model, input_ids: torch.Tensor, target_positions: torch.Tenso
 
 
 def key_removal_gradient(
-    model, input_ids: torch.Tensor | Sequence[int], target_positions: Sequence[int], checkpoint: bool | str = "auto"
+    model,
+    input_ids: torch.Tensor | Sequence[int],
+    target_positions: Sequence[int],
+    checkpoint: bool | str = "auto",
 ) -> torch.Tensor:
     """∂ log P(answer) / ∂b_j at b = 0, where b_j is added to the attention logit of key j from every
     later query, in every layer and head (:func:`probe.capture.bias_keys`): Tensor[seq].

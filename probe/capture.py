@@ -196,7 +196,9 @@ class _KeyBias:
                 f"bias_keys has a bias for {self.bias.shape[-1]} keys but the layer sees {q_len} queries "
                 f"over {kv_len} keys: run one forward over the whole sequence, without a KV cache"
             )
-        mask = _mask_rows(attention_mask, slice(None), q_len, kv_len, window, query.dtype, device=query.device)
+        mask = _mask_rows(
+            attention_mask, slice(None), q_len, kv_len, window, query.dtype, device=query.device
+        )
         later = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(-1)
         return mask + self.bias.to(device=query.device, dtype=query.dtype)[:, None, None, :] * later
 
@@ -476,7 +478,9 @@ def _windowed_sdpa(
         stop = min(start + window, q_len)
         first, end = max(0, offset + start - window + 1), offset + stop
         band, rows = slice(first, end), slice(start, stop)
-        mask = _mask_rows(attention_mask, rows, q_len, kv_len, window, query.dtype, (first, end), query.device)
+        mask = _mask_rows(
+            attention_mask, rows, q_len, kv_len, window, query.dtype, (first, end), query.device
+        )
         output, _ = sdpa_attention_forward(
             module, query[:, :, start:stop], key[:, :, band], value[:, :, band], mask,
             dropout=dropout, scaling=scaling, **kwargs,
@@ -561,7 +565,8 @@ def _position_table(positions: torch.Tensor, batch_size: int, kv_end: int, devic
     """``positions`` LongTensor[batch or 1, kv] as [batch, kv] on ``device``, checked to cover the keys."""
     if positions.shape[0] not in (1, batch_size):
         raise ValueError(
-            f"original_positions got positions for {positions.shape[0]} sequences, the forward has {batch_size}"
+            f"original_positions got positions for {positions.shape[0]} sequences, "
+            f"the forward has {batch_size}"
         )
     if positions.shape[1] < kv_end:
         raise ValueError(

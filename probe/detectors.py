@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from probe import views
+from probe.at2 import HeadWeights, token_features
 from probe.attribution import (
     AnswerAttribution,
     answer_attribution,
@@ -37,7 +38,7 @@ from probe.attribution import (
 )
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import check_layers, frozen_parameters, hf_model
-from probe.faithfulness import answer_scores, lds, random_masks
+from probe.faithfulness import answer_scores, lds, random_masks, source_scores
 from probe.objectives import critical_tokens
 from probe.planner import guarded
 from probe.results import read_json, write_json
@@ -81,6 +82,17 @@ class Detection:
     def save_html(self, path: str | Path, sample: Sample | None = None) -> Path:
         """The token view as a self-contained HTML page, written atomically."""
         return views.save_html(path, self._view(sample), f"longprobe: {self.name or 'detection'}")
+
+    def source_scores(self, sample: Sample | None = None, reduce: str = "mean") -> torch.Tensor:
+        """One score per source of ``sample`` (default: the detection's own): Tensor[sources]. The
+        detector's own ``details["source_scores"]`` where it has them (ablation and additive
+        detectors), else ``reduce`` over each source's tokens (:func:`probe.faithfulness.source_scores`)."""
+        if "source_scores" in self.details:
+            return self.details["source_scores"].float()
+        sample = sample if sample is not None else self.sample
+        if sample is None:
+            raise ValueError("this detection carries no sample (loaded from a file?): pass the sample")
+        return source_scores(self.scores, sample.sources, reduce)
 
     def to_frame(self, tokenizer=None, sample: Sample | None = None) -> pd.DataFrame:
         """One row per token: position, score, flagged (and token text / category given a sample)."""
@@ -173,7 +185,7 @@ def detect(
     return _REGISTRY[name](model, tokenizer, sample, **options)
 
 
-SHARED_PASS = ("attention", "fr", "embedding_grad", "information_flow", "grad_times_input")
+SHARED_PASS = ("attention", "fr", "embedding_grad", "information_flow", "grad_times_input", "at2")
 
 
 def detect_many(
@@ -205,6 +217,8 @@ def detect_many(
         raise ValueError(f"unknown detectors {unknown}; registered detectors: {', '.join(_REGISTRY)}")
     shared = {name: _settings(name, model, options.get(name, {})) for name in names if name in SHARED_PASS}
     layers = sorted({layer for settings in shared.values() for layer in settings.get("layers", ())})
+    if "at2" in shared:  # its weights cover every head
+        layers = check_layers(model, None)
     attributions = [None] * len(samples)
     if layers:
         ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
@@ -230,6 +244,8 @@ def _settings(name: str, model, options: Mapping[str, Any]) -> dict[str, Any]:
     settings = {key: bound.arguments[key] for key in list(bound.arguments)[3:] if key != "checkpoint"}
     if "layers" in settings:
         settings["layers"] = check_layers(model, settings["layers"])
+    if name == "at2":
+        settings["weights"] = HeadWeights.for_model(model, settings["weights"])
     return settings
 
 
@@ -347,6 +363,16 @@ def _information_flow_from(
     )
 
 
+def from_attribution(
+    name: str, model, attribution: AnswerAttribution, sample: Sample, **options
+) -> Detection:
+    """Detection ``name`` (one of :data:`SHARED_PASS`) read off an answer attribution of ``sample``
+    (:func:`~probe.attribution.answer_attribution`, with the layers it needs), as :func:`detect_many`
+    does: no model pass."""
+    detection = _from_attribution(name, attribution, sample, _settings(name, model, options))
+    return dataclasses.replace(detection, name=name, sample=sample)
+
+
 def _from_attribution(
     name: str, attribution: AnswerAttribution, sample: Sample, settings: dict[str, Any]
 ) -> Detection:
@@ -355,6 +381,8 @@ def _from_attribution(
         return _embedding_grad_from(attribution.embedding_grad_norms(settings["p"]), sample, **settings)
     if name == "grad_times_input":
         return _additive(attribution.grad_times_input(), sample, **settings)
+    if name == "at2":
+        return _at2_from(attribution, sample, **settings)
     if name == "information_flow":
         per_layer = attribution.information_flow(settings["layers"], settings["reduce"])
         return _information_flow_from(per_layer, sample, **settings)
@@ -404,6 +432,34 @@ def key_removal_grad(
     """
     gradient = key_removal_gradient(model, sample.input_ids, sample.target_positions, checkpoint)
     return _additive(gradient, sample, top_k)
+
+
+@register("at2")
+def at2(
+    model,
+    tokenizer,
+    sample: Sample,
+    weights: HeadWeights | str | Path | None = None,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+) -> Detection:
+    """AT2 (Cohen-Wang et al. 2025, "Learning to Attribute with Attention"): per-head weights, learned
+    from this toolkit's ablations (:mod:`probe.at2`), on the answer rows' attention mass and saliency.
+
+    ``weights``: a :class:`~probe.at2.HeadWeights` or its file; ``None`` = the weights bundled for the
+    model's architecture (SmolLM2-135M, Gemma 3 270M; learn others' with
+    ``python -m analyses.learn_head_weights``). One forward+backward pass over every layer, shared
+    with the attention family in :func:`detect_many`. A source scores the sum over its tokens.
+    """
+    attribution = answer_attribution(model, sample.input_ids, sample.target_positions, None, checkpoint)
+    return _at2_from(attribution, sample, HeadWeights.for_model(model, weights), top_k)
+
+
+def _at2_from(attribution: AnswerAttribution, sample: Sample, weights: HeadWeights, top_k: int) -> Detection:
+    """The ``at2`` detection from a pass over every layer."""
+    detection = _additive(weights.token_scores(token_features(attribution)), sample, top_k)
+    detection.settings["weights"] = weights.settings.get("name", "custom")
+    return detection
 
 
 @register("integrated_gradients")
@@ -545,24 +601,98 @@ def spread_over_tokens(values: torch.Tensor, sample: Sample) -> torch.Tensor:
 
 
 @register("leave_one_out")
-def leave_one_out(model, tokenizer, sample: Sample, reuse_prefix: bool = True) -> Detection:
-    """Exact leave-one-out: a source's score is ``lp(full) − lp(without it)``, the drop of the gold
-    answer's log-probability when its tokens are key-masked (one pass per source).
+def leave_one_out(
+    model,
+    tokenizer,
+    sample: Sample,
+    reuse_prefix: bool = True,
+    top_m: int | None = None,
+    rank_by: str = "key_removal_grad",
+    block: int = 1,
+    refine: int = 4,
+) -> Detection:
+    """Leave-one-out: a source's score is ``lp(full) − lp(without it)``, the drop of the gold answer's
+    log-probability when it is removed (:func:`probe.faithfulness.answer_scores`), one pass per source.
 
-    The gold standard of comprehensiveness at k = 1. ``details["source_scores"]`` is Tensor[sources];
-    each token carries its source's score. Flags the sources whose removal lowers the log-probability.
+    The gold standard of comprehensiveness at k = 1. Two cheaper forms, after AttriBoT (Liu et al.,
+    ICLR 2025), exact where they measure:
+
+    - ``top_m``: only the ``top_m`` sources ranked highest by detector ``rank_by`` are removed one by
+      one; every other source scores ``rank_by``'s source score times the least-squares scale that maps
+      it onto the measured drops (0 when fewer than two were measured);
+    - ``block > 1`` (hierarchical): each run of ``block`` consecutive sources is removed at once, then
+      the ``refine`` blocks with the largest drops are split and their sources removed one by one;
+      a source of an unrefined block scores its block's drop shared equally.
+
+    ``details``: ``source_scores`` Tensor[sources], ``measured`` BoolTensor[sources] (the source's own
+    removal was run), ``passes`` (masked passes, the full pass included), ``full_logprob``. Each token
+    carries its source's score. Flags the sources whose removal lowers the log-probability.
     """
     n_sources = len(sample.sources)
-    removed = torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), torch.eye(n_sources, dtype=torch.bool)])
-    logprob = answer_scores(model, sample, removed, reuse_prefix).logprob
-    effect = logprob[0] - logprob[1:]
+    if top_m is not None and block > 1:
+        raise ValueError("choose one way to prune leave-one-out: top_m or block > 1, not both")
+    if block < 1 or refine < 0 or (top_m is not None and top_m < 1):
+        raise ValueError(f"block must be >= 1, refine >= 0 and top_m >= 1, got {block}, {refine}, {top_m}")
+    none = torch.zeros(1, n_sources, dtype=torch.bool)
+    settings = {
+        "reuse_prefix": reuse_prefix,
+        "top_m": top_m,
+        "rank_by": rank_by,
+        "block": block,
+        "refine": refine,
+    }
+    if top_m is not None:
+        cheap = detect(rank_by, model, tokenizer, sample).source_scores(sample)
+        chosen = torch.argsort(-cheap, stable=True)[: min(top_m, n_sources)]
+        logprob = answer_scores(
+            model, sample, torch.cat([none, _single(chosen, n_sources)]), reuse_prefix
+        ).logprob
+        drops = logprob[0] - logprob[1:]
+        scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
+        effect = cheap * scale
+        effect[chosen] = drops
+        measured, passes = torch.zeros(n_sources, dtype=torch.bool), len(logprob)
+        measured[chosen] = True
+    elif block > 1:
+        starts = torch.arange(0, n_sources, block)
+        blocks = torch.zeros(len(starts), n_sources, dtype=torch.bool)
+        for row, first in enumerate(starts.tolist()):
+            blocks[row, first : first + block] = True
+        coarse = answer_scores(model, sample, torch.cat([none, blocks]), reuse_prefix).logprob
+        block_drops = coarse[0] - coarse[1:]
+        refined = torch.argsort(-block_drops, stable=True)[:refine]
+        chosen = blocks[refined].any(0).nonzero()[:, 0]
+        fine = answer_scores(model, sample, _single(chosen, n_sources), reuse_prefix).logprob
+        effect = (blocks.float() * (block_drops / blocks.sum(1))[:, None]).sum(0)
+        effect[chosen] = coarse[0] - fine
+        measured, passes = blocks[refined].any(0), len(coarse) + len(fine)
+        logprob = coarse
+    else:
+        logprob = answer_scores(
+            model, sample, torch.cat([none, _single(torch.arange(n_sources), n_sources)]), reuse_prefix
+        ).logprob
+        effect, measured, passes = (
+            logprob[0] - logprob[1:],
+            torch.ones(n_sources, dtype=torch.bool),
+            len(logprob),
+        )
     scores = spread_over_tokens(effect, sample)
     return Detection(
         scores=scores,
         flagged=scores > 0,
-        settings={"reuse_prefix": reuse_prefix},
-        details={"source_scores": effect, "full_logprob": float(logprob[0])},
+        settings=settings,
+        details={
+            "source_scores": effect,
+            "measured": measured,
+            "passes": passes,
+            "full_logprob": float(logprob[0]),
+        },
     )
+
+
+def _single(chosen: torch.Tensor, n_sources: int) -> torch.Tensor:
+    """BoolTensor[len(chosen), sources]: one mask per chosen source, removing it alone."""
+    return torch.eye(n_sources, dtype=torch.bool)[chosen]
 
 
 @register("context_cite")

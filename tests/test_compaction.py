@@ -95,7 +95,9 @@ def test_compaction_under_nested_modifiers(model, sample):
 
 def test_compaction_is_the_default_where_positions_come_from_position_ids(model, sample):
     assert faithfulness.compaction_supported(model)
-    frame = faithfulness.evaluate(model, sample, {"truth": faithfulness.ground_truth_scores(sample)}, n_masks=4)
+    frame = faithfulness.evaluate(
+        model, sample, {"truth": faithfulness.ground_truth_scores(sample)}, n_masks=4
+    )
     assert frame.attrs["ablation"] == "compaction"
     frame = faithfulness.evaluate(
         model, sample, {"truth": faithfulness.ground_truth_scores(sample)}, n_masks=4, compact=False
@@ -105,7 +107,9 @@ def test_compaction_is_the_default_where_positions_come_from_position_ids(model,
 
 def test_sources_after_the_answer_are_refused(model, sample):
     late = (int(sample.target_positions[0]) - 1, int(sample.target_positions[-1]) + 1)
-    broken = dataclasses.replace(sample, spans={**sample.spans, "supporting": [*sample.spans["supporting"], late]})
+    broken = dataclasses.replace(
+        sample, spans={**sample.spans, "supporting": [*sample.spans["supporting"], late]}
+    )
     removed = torch.zeros(1, len(broken.sources), dtype=torch.bool)
     removed[0, -1] = True
     with pytest.raises(ValueError, match="before the answer"):

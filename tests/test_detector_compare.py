@@ -1,14 +1,22 @@
 """The detector comparison end to end on a tiny model saved like a real one, and its refusals."""
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from analyses import detector_compare
 from probe import detectors, faithfulness, tasks
 
 KS = faithfulness.KS
+
+
+@pytest.fixture(scope="module")
+def names(tiny_model_folder):
+    """The default detectors for the tiny model: no bundled head weights fit it, so no at2."""
+    return detector_compare.default_detectors(AutoModelForCausalLM.from_pretrained(tiny_model_folder))
 
 
 @pytest.fixture(scope="module")
@@ -20,35 +28,57 @@ def run(tiny_model_folder, tmp_path_factory):
     return table, out, f"{tiny_model_folder.name}-192"
 
 
-def test_detector_compare_writes_every_figure_and_csv(run):
+def test_detector_compare_writes_every_figure_and_csv(run, names):
     table, out, tag = run
-    for name in ("categories", "scores", "layers", "faithfulness"):
+    for name in ("categories", "scores", "layers", "faithfulness", "intervals"):
         assert (out / f"detector_{tag}_{name}.png").stat().st_size > 0
         assert not pd.read_csv(out / f"detector_{tag}_{name}.csv").empty
     metrics = pd.read_csv(out / f"detector_{tag}_metrics.csv")
-    assert set(metrics.detector) == set(detector_compare.QUICK_DETECTORS)
+    assert set(metrics.detector) == set(names)
     pages = sorted(out.glob(f"detector_{tag}_view_*.html"))  # one token view per detector, first sample
-    assert [p.stem.split("_view_")[1] for p in pages] == sorted(detector_compare.QUICK_DETECTORS)
+    assert [p.stem.split("_view_")[1] for p in pages] == sorted(names)
     assert all("longprobe-view" in p.read_text() for p in pages)
-    assert len(metrics) == len(table) == 2 * len(detector_compare.QUICK_DETECTORS)  # 2 tasks × 1 sample
+    assert len(metrics) == len(table) == 2 * len(names)  # 2 tasks × 1 sample
     assert metrics.auroc.between(0, 1).all()
+    assert (metrics.seconds > 0).all() or set(metrics.detector[metrics.seconds == 0]) <= {"recency"}
+    passes = metrics.groupby("detector").passes.first()
+    assert passes["attention"] == passes["key_removal_grad"] == 1 and passes["lexical_overlap"] == 0
+    assert passes["leave_one_out"] > 2
     assert not list(out.glob(".*tmp*"))  # no half-written files left behind
 
 
-def test_the_quick_set_leaves_out_the_expensive_detectors():
-    assert not set(detector_compare.SLOW_DETECTORS) & set(detector_compare.QUICK_DETECTORS)
-    assert {"leave_one_out", "context_cite", "integrated_gradients"} <= set(detector_compare.SLOW_DETECTORS)
-    assert {"attention", "fr", "embedding_grad", "information_flow"} <= set(detector_compare.QUICK_DETECTORS)
+def test_the_default_set_holds_the_one_pass_detectors_and_the_exact_reference(names):
+    assert "at2" not in names  # no head weights fit the tiny model
+    assert {"attention", "information_flow", "key_removal_grad", "grad_times_input", "leave_one_out"} <= set(
+        names
+    )
+    assert set(detector_compare.DEFAULT_DETECTORS) - set(names) == {"at2"}
 
 
-def test_faithfulness_csv_has_one_row_per_sample_and_scorer(run):
+def test_intervals_give_each_scorer_and_its_differences_from_the_baselines(run):
+    _, out, tag = run
+    intervals = pd.read_csv(out / f"detector_{tag}_intervals.csv", keep_default_na=False)
+    faithful = pd.read_csv(out / f"detector_{tag}_faithfulness.csv")
+    own = intervals[(intervals.versus == "") & (intervals.answer == "all") & (intervals.metric == "lds")]
+    lds = faithful.groupby("scorer").lds.mean()
+    for row in own.itertuples():
+        assert row.value == pytest.approx(lds[row.scorer])
+    versus = intervals[(intervals.versus == "leave_one_out") & (intervals.answer == "all")]
+    versus = versus[versus.metric == "aopc_comprehensiveness"].set_index("scorer").value
+    by_scorer = faithful.groupby("scorer").aopc_comprehensiveness.mean()
+    assert versus["attention"] == pytest.approx(by_scorer["attention"] - by_scorer["leave_one_out"])
+    assert set(intervals.versus) == {"", "attention", "leave_one_out"}
+
+
+def test_faithfulness_csv_has_one_row_per_sample_and_scorer(run, names):
     _, out, tag = run
     faithful = pd.read_csv(out / f"detector_{tag}_faithfulness.csv")
-    scorers = [*detector_compare.QUICK_DETECTORS, *detector_compare.REFERENCES]
+    scorers = [*names, *detector_compare.REFERENCES]
     assert len(faithful) == 2 * len(scorers) and set(faithful.scorer) == set(scorers)
     expected = {"task", "seed", "correct", "scorer", "kind", "full_logprob", "lds", "n_sources"}
     expected |= {f"{metric}_k{k}" for metric in ("comprehensiveness", "sufficiency") for k in KS}
     expected |= {"aopc_comprehensiveness", "aopc_sufficiency", "source_reduce", "n_masks", "model", "length"}
+    expected |= {"seconds", "ablation"}
     assert expected <= set(faithful.columns)
     assert set(faithful.kind[faithful.scorer.isin(detector_compare.REFERENCES)]) == {"reference"}
     assert (faithful.source_reduce == "mean").all() and (faithful.n_masks == 8).all()
@@ -57,13 +87,13 @@ def test_faithfulness_csv_has_one_row_per_sample_and_scorer(run):
     assert (aopc - faithful.aopc_comprehensiveness).abs().max() < 1e-9
 
 
-def test_rank_table_sets_plausibility_beside_faithfulness(run):
+def test_rank_table_sets_plausibility_beside_faithfulness(run, names):
     _, out, tag = run
     ranks = pd.read_csv(out / f"detector_{tag}_ranks.csv")
     expected = {"answer", "detector", "auroc", "aopc_comprehensiveness", "lds", "samples"}
     expected |= {"rank_plausibility", "rank_comprehensiveness", "rank_LDS"}
     assert expected <= set(ranks.columns)
-    assert set(ranks.detector) == set(detector_compare.QUICK_DETECTORS)  # detectors only, no references
+    assert set(ranks.detector) == set(names)  # detectors only, no references
     assert "all" in set(ranks.answer) and set(ranks.answer) <= set(detector_compare.ANSWERS)
     for _, group in ranks.groupby("answer"):
         for column in ("rank_plausibility", "rank_comprehensiveness", "rank_LDS"):
@@ -107,3 +137,14 @@ def test_bad_settings_are_refused(tiny_model_folder, tmp_path, capsys, argv, mes
         detector_compare.main(["--model", str(tiny_model_folder), "--out", str(tmp_path), *argv])
     assert message in str(exit_info.value) + capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_other_settings_write_to_a_study_folder_of_their_own():
+    default = detector_compare.parse_args([])
+    assert detector_compare.study_folder(default) == Path("figures")
+    assert detector_compare.study_folder(
+        detector_compare.parse_args(["--model", "gemma3-270m", "--length", "4096"])
+    ) == Path("figures")
+    study = detector_compare.study_folder(detector_compare.parse_args(["--samples", "3"]))
+    other = detector_compare.study_folder(detector_compare.parse_args(["--samples", "3", "--ks", "1", "4"]))
+    assert study.parent == other.parent == Path("figures/studies") and study != other

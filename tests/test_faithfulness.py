@@ -133,3 +133,36 @@ def test_bad_masks_are_refused(model, sample):
         faithfulness.answer_scores(model, sample, torch.zeros(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="one value per source"):
         faithfulness.evaluate(model, sample, {"bad": torch.zeros(3)})
+
+
+def test_pruned_and_hierarchical_leave_one_out_are_exact_where_they_measure(model, sample):
+    exhaustive = probe.detect("leave_one_out", model, None, sample)
+    n_sources = len(sample.sources)
+    assert exhaustive.details["passes"] == n_sources + 1 and exhaustive.details["measured"].all()
+    pruned = probe.detect("leave_one_out", model, None, sample, top_m=5, rank_by="attention")
+    hierarchical = probe.detect("leave_one_out", model, None, sample, block=4, refine=2)
+    assert pruned.details["passes"] == 6
+    blocks = -(-n_sources // 4)
+    assert hierarchical.details["passes"] == 1 + blocks + int(hierarchical.details["measured"].sum())
+    for found in (pruned, hierarchical):
+        measured = found.details["measured"]
+        assert 0 < measured.sum() < n_sources
+        assert torch.allclose(
+            found.details["source_scores"][measured], exhaustive.details["source_scores"][measured], atol=ATOL
+        )
+    # an unrefined block shares its block's drop: the removal of the whole block, by hand
+    unrefined = (~hierarchical.details["measured"]).nonzero()[0, 0]
+    first = int(unrefined) // 4 * 4
+    block = range(first, min(first + 4, n_sources))
+    hidden = [p for i in block for p in range(sample.sources[i].start, sample.sources[i].end)]
+    drop = eager_answer_logprob(model, sample, []) - eager_answer_logprob(model, sample, hidden)
+    shared = float(hierarchical.details["source_scores"][unrefined])
+    assert shared == pytest.approx(drop / len(block), abs=ATOL)
+    # outside the top m: the ranking detector's source scores, scaled onto the measured drops
+    attention = probe.detect("attention", model, None, sample)
+    cheap = faithfulness.source_scores(attention.scores, sample.sources)
+    outside = ~pruned.details["measured"]
+    ratio = pruned.details["source_scores"][outside] / cheap[outside]
+    assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-4)
+    with pytest.raises(ValueError, match="one way"):
+        probe.detect("leave_one_out", model, None, sample, top_m=3, block=2)

@@ -74,7 +74,9 @@ def test_bias_keys_at_zero_changes_nothing_and_refuses_a_kv_cache(tiny, ids):
 def test_detectors_sum_their_first_order_effects_over_sources(tokenizer_sample):
     tokenizer, sample = tokenizer_sample
     model = probe.tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=1024)
-    found = detectors.detect_many(["attention", "grad_times_input", "key_removal_grad"], model, tokenizer, sample)
+    found = detectors.detect_many(
+        ["attention", "grad_times_input", "key_removal_grad"], model, tokenizer, sample
+    )
     gradient = key_removal_gradient(model, sample.input_ids, sample.target_positions)
     assert torch.allclose(found["key_removal_grad"].scores, gradient)
     first = sample.sources[0]
