@@ -203,6 +203,31 @@ class _KeyBias:
         return mask + self.bias.to(device=query.device, dtype=query.dtype)[:, None, None, :] * later
 
 
+@dataclass
+class _Relevance:
+    """The AttnLRP rules on the attention products: q, k gradients ÷ 4, v gradient ÷ 2."""
+
+    layers_seen: set[int] = field(default_factory=set)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient times ``factor`` backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` unchanged, its gradient multiplied by ``factor`` (the uniform rule of AttnLRP)."""
+    return _ScaleGradient.apply(x, factor)
+
+
 @dataclass(frozen=True)
 class _Modifiers:
     """Everything active in the current context, innermost last."""
@@ -213,10 +238,11 @@ class _Modifiers:
     key_masks: tuple[_KeyMask, ...] = ()
     positions: tuple[_Positions, ...] = ()
     key_biases: tuple[_KeyBias, ...] = ()
+    relevance: tuple[_Relevance, ...] = ()
 
     def reached(self, layer: int | None) -> None:
         """Record that ``layer``'s attention ran under these modifiers."""
-        for modifier in (*self.windows, *self.key_masks, *self.positions, *self.key_biases):
+        for modifier in (*self.windows, *self.key_masks, *self.positions, *self.key_biases, *self.relevance):
             modifier.layers_seen.add(layer)
         for ablation in self.ablations:
             if layer in ablation.heads:
@@ -513,6 +539,8 @@ def _attention(
     active = _active()
     for key_bias in active.key_biases:
         attention_mask = key_bias.added_to(attention_mask, query, key, window)
+    if active.relevance:  # q·kᵀ and A·V are products of two inputs: the uniform rule
+        query, key, value = scale_gradient(query, 0.25), scale_gradient(key, 0.25), scale_gradient(value, 0.5)
     if softcap is None and s_aux is None and window and query.shape[2] > window and key.shape[2] > 2 * window:
         output = _windowed_sdpa(module, query, key, value, attention_mask, window, dropout, scaling, **kwargs)
     elif softcap is None and s_aux is None:
@@ -837,6 +865,19 @@ def bias_keys(model, bias: torch.Tensor) -> Iterator[None]:
     inner = hf_model(model)
     modifier = _KeyBias(bias)
     with _modified(inner, key_biases=modifier):
+        yield
+    if not modifier.layers_seen:
+        raise _not_reached(inner)
+
+
+@contextmanager
+def lrp_attention(model) -> Iterator[None]:
+    """Inside the block the attention's backward follows AttnLRP's uniform rule (Achtibat et al. 2024,
+    eq. 7): the gradients of queries and keys are divided by 4, those of values by 2; the forward is
+    unchanged. Part of :func:`probe.lrp.lrp_rules`."""
+    inner = hf_model(model)
+    modifier = _Relevance()
+    with _modified(inner, relevance=modifier):
         yield
     if not modifier.layers_seen:
         raise _not_reached(inner)

@@ -462,6 +462,17 @@ def _at2_from(attribution: AnswerAttribution, sample: Sample, weights: HeadWeigh
     return detection
 
 
+@register("attn_lrp")
+def attn_lrp(model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool | str = "auto") -> Detection:
+    """AttnLRP relevance (Achtibat et al., ICML 2024; :func:`probe.lrp.relevance`): gradient × input at
+    the embeddings with the LRP rules for attention, products, norms and gated MLPs, explaining the
+    gold answer tokens' logits. One forward and backward; a source scores the sum of its tokens'
+    relevance. ``checkpoint``: see :mod:`probe.attribution`."""
+    from probe.lrp import relevance
+
+    return _additive(relevance(model, sample.input_ids, sample.target_positions, checkpoint), sample, top_k)
+
+
 @register("integrated_gradients")
 def integrated_gradients(
     model,
