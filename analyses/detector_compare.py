@@ -34,8 +34,8 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
 
 The default judges the one-pass detectors (``attention``, ``fr``, ``information_flow``,
 ``embedding_grad``, ``grad_times_input``, ``key_removal_grad``, ``attn_lrp``, ``at2`` where head
-weights fit the model), two model-free baselines and exact ``leave_one_out`` on 24 samples (12 per
-task). Every row says what the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass per
+weights fit the model), LongPPL's ``lsd``, two model-free baselines and exact ``leave_one_out`` on 24
+samples (12 per task). Every row says what the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass per
 distinct mask (compacted: only the kept tokens run), up to ~110 a sample; leave-one-out one per
 source. Other settings than the defaults write to a folder of their own under ``figures/studies``,
 so that ``figures/`` holds exactly what the default writes.
@@ -78,6 +78,7 @@ DEFAULT_DETECTORS = [
     "key_removal_grad",
     "attn_lrp",
     "at2",
+    "lsd",
     "lexical_overlap",
     "recency",
     "leave_one_out",
@@ -499,6 +500,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="token scores -> one score per source (default mean: a sum favours long sentences)",
     )
     parser.add_argument("--masks", type=int, default=32, help="random source masks per sample for LDS")
+    parser.add_argument(
+        "--loo-top-m",
+        type=int,
+        default=None,
+        help="leave_one_out exact on the M sources key_removal_grad ranks highest, the rest its scaled "
+        "estimate (default: exhaustive, one pass per source; prune at length)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="first sample's seed; seed of the LDS masks")
     parser.add_argument(
@@ -532,6 +540,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--length must be at least 64 tokens")
     if min(args.ks) < 1:
         parser.error("--ks must be positive numbers of sources")
+    if args.loo_top_m is not None and args.loo_top_m < 1:
+        parser.error("--loo-top-m must be at least 1")
     return args
 
 
@@ -567,6 +577,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     lsd_k = args.lsd_k or args.length // 4
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
     options["context_cite"] = {"seed": args.seed + 1}  # its masks must differ from the LDS masks (seed)
+    options["leave_one_out"] = {"top_m": args.loo_top_m}
     options |= {name: {"top_k": args.top_k} for name in names if "top_k" in detectors.options(name)}
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]

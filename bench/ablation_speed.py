@@ -62,6 +62,26 @@ def bench_masks(sample):
     return torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), random, top, ~top, single])
 
 
+def exhaustive_scores(model, tokenizer, sample, found, method: str):
+    """Exhaustive leave-one-out's source scores of ``sample``: ``found``'s for ``loo_exhaustive`` (kept in
+    the temporary folder for the other loo_* children of this invocation), else read back from there."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    import probe
+
+    name = f"longprobe_loo_{Path(model.config.name_or_path).name}_{len(sample.input_ids)}_{sample.seed}.pt"
+    path = Path(tempfile.gettempdir()) / name
+    if method == "loo_exhaustive":
+        torch.save(found.details["source_scores"], path)
+        return found.details["source_scores"]
+    if not path.exists():
+        torch.save(probe.detect("leave_one_out", model, tokenizer, sample).details["source_scores"], path)
+    return torch.load(path)
+
+
 def _run_child(method: str, length: int, model_name: str, threads: int, loo_samples: int) -> dict:
     """Measure one method in this (fresh) process: time, memory, passes and a checksum or agreement."""
     import torch
