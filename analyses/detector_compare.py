@@ -37,8 +37,8 @@ The default judges the one-pass detectors (``attention``, ``fr``, ``information_
 weights fit the model), LongPPL's ``lsd``, two model-free baselines and exact ``leave_one_out`` on
 24 samples (12 per task). Every row says what the detector cost (``seconds``, ``passes``).
 Faithfulness costs one masked pass per distinct mask (compacted: only the kept tokens run), up to
-~120 a sample; leave-one-out one per source. Other settings than the defaults write to a folder of their own under ``figures/studies``,
-so that ``figures/`` holds exactly what the default writes.
+~120 a sample; leave-one-out one per source. Other settings than the defaults write to a folder
+of their own under ``figures/studies``, so that ``figures/`` holds exactly what the default writes.
 
     python -m analyses.detector_compare                               # the main job, SmolLM2, ~1K tokens
     python -m analyses.detector_compare --samples 4 --detectors attention information_flow
