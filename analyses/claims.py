@@ -2,15 +2,15 @@
 
 Every row is computed from the per-study CSVs the analyses committed under ``figures/`` (nothing is
 typed in by hand but the paper's number): ``python -m analyses.claims`` rewrites ``claims.csv`` and
-the table between the ``<!-- claims -->`` markers of the README. A study whose CSV is missing gives
+the table between the ``<!-- claims -->`` markers of RESULTS.md. A study whose CSV is missing gives
 a row that says so. Verdicts follow one rule (:func:`verdict`): *reproduced* when the interval lies
 on the paper's side of the null value (and, for a magnitude, covers the paper's number or exceeds
 it), *partly* when it does but stays short of the paper's magnitude, *not reproduced* when it lies
 on the other side, *inconclusive* when it covers the null value. Claims no experiment of ours can
 test at this scale are listed as *not testable*, with the reason.
 
-    python -m analyses.claims                  # figures/claims.csv + the README table
-    python -m analyses.claims --figures DIR --readme README.md
+    python -m analyses.claims                  # figures/claims.csv + the table in RESULTS.md
+    python -m analyses.claims --figures DIR --results RESULTS.md
 """
 
 from __future__ import annotations
@@ -355,25 +355,25 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, table: str) -> None:
-    """Put ``table`` between the claims markers of ``readme`` (atomically); the markers must be there."""
-    text = readme.read_text()
+def update_results(results: Path, table: str) -> None:
+    """Put ``table`` between the claims markers of ``results`` (atomically); the markers must be there."""
+    text = results.read_text()
     if START not in text or END not in text:
-        raise ValueError(f"{readme} has no {START} … {END} markers to put the claims table between")
+        raise ValueError(f"{results} has no {START} … {END} markers to put the claims table between")
     before, rest = text.split(START, 1)
     after = rest.split(END, 1)[1]
-    atomic_write(readme, lambda tmp: tmp.write_text(f"{before}{START}\n{table}\n{END}{after}"))
+    atomic_write(results, lambda tmp: tmp.write_text(f"{before}{START}\n{table}\n{END}{after}"))
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--figures", type=Path, default=Path("figures"), help="where the studies' CSVs are")
-    parser.add_argument("--readme", default="README.md", help="README to update ('' to skip)")
+    parser.add_argument("--results", default="RESULTS.md", help="file with the claims table ('' to skip)")
     args = parser.parse_args(argv)
     table = evaluate(args.figures)
     atomic_write(args.figures / "claims.csv", lambda tmp: table.to_csv(tmp, index=False))
-    if args.readme:
-        update_readme(Path(args.readme), markdown(table))
+    if args.results:
+        update_results(Path(args.results), markdown(table))
     print(markdown(table))
     return table
 

@@ -515,13 +515,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="samples per detector pass and masked passes per forward (default 1 on this 2-core CPU: "
         "batches of 4 sped up leave-one-out's passes 1.2x but slowed the whole faithfulness evaluation, "
-        "see the README; on a GPU use 8-16)",
+        "see bench/README.md; on a GPU use 8-16)",
     )
     parser.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="default: figures/ for the default settings (what the README shows), else "
+        help="default: figures/ for the default settings (what the README and RESULTS.md show), else "
         "figures/studies/detector_{model}-{length}_{settings hash}/",
     )
     parser.add_argument(

@@ -47,7 +47,7 @@ back instead of running them again.
 
 Writes ``figures/longppl_answer_ppl``, ``longppl_answer_lsd``, ``longppl_correlation`` (PNG + CSV),
 ``longppl_answer_tokens.csv`` (one row per token), ``longppl_correlation_table.csv`` (metric,
-method, r, low, high, n) and ``longppl.md`` (the tables for the README).
+method, r, low, high, n) and ``longppl.md`` (the tables for RESULTS.md).
 """
 
 from __future__ import annotations

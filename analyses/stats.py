@@ -1,6 +1,6 @@
 """Confidence intervals for the claims table: percentile bootstrap over samples, seeds or variants.
 
-Every number the README compares with a paper comes with a 95 % percentile interval of the
+Every number RESULTS.md compares with a paper comes with a 95 % percentile interval of the
 resampled statistic drawn by :func:`scipy.stats.bootstrap` (percentiles: robust for the small,
 bounded samples we have — accuracies of a few samples, gaps of a few seeds); :func:`correlation`
 resamples (x, y) pairs together. An :class:`Estimate` keeps what the interval is over, so a table

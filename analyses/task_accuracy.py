@@ -10,7 +10,7 @@ new tokens) from ``sample.prompt_ids`` — the prompt already ends with the task
 
 Writes ``task_accuracy.csv`` (one row per sample: settings, gold answer, generated text, correct),
 ``task_accuracy.png`` (accuracy heatmap, task x length, one panel per model) and
-``task_accuracy.md`` (the accuracy table for the README). Each finished sample is kept as a part
+``task_accuracy.md`` (the accuracy table for RESULTS.md). Each finished sample is kept as a part
 (``OUT/.task_accuracy_parts``) until the outputs are written; ``--resume`` keeps the samples already
 in the CSV and in the parts and runs only the missing ones (``--resume --samples 0`` just redraws
 the figure and table from the CSV). Runs unchanged under ``accelerate launch`` (:mod:`analyses.sweep`).

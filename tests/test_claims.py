@@ -1,4 +1,4 @@
-"""The claims table: verdicts from intervals, rows from the studies' CSVs, the README between markers."""
+"""The claims table: verdicts from intervals, rows from the studies' CSVs, RESULTS.md between markers."""
 
 import numpy as np
 import pandas as pd
@@ -31,7 +31,7 @@ def test_verdicts_follow_the_interval(measured, expected):
     assert verdict(measured) == expected
 
 
-def test_rows_come_from_the_csvs_and_the_readme_table_is_replaced(tmp_path):
+def test_rows_come_from_the_csvs_and_the_results_table_is_replaced(tmp_path):
     figures = tmp_path / "figures"
     figures.mkdir()
     seeds = np.arange(5)
@@ -43,9 +43,9 @@ def test_rows_come_from_the_csvs_and_the_readme_table_is_replaced(tmp_path):
         for s, g in zip(seeds, values, strict=True)
     ]  # fmt: skip
     pd.DataFrame(gaps).to_csv(figures / "position_bias_gaps.csv", index=False)
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "RESULTS.md"
     readme.write_text(f"# x\n\n{claims.START}\nold table\n{claims.END}\n\nafter\n")
-    table = claims.main(["--figures", str(figures), "--readme", str(readme)]).set_index("claim")
+    table = claims.main(["--figures", str(figures), "--results", str(readme)]).set_index("claim")
 
     first = table.loc["nope_first"]
     assert first.ours == pytest.approx(0.07) and first.low < 0.07 < first.high and first.n == 5
@@ -63,14 +63,14 @@ def test_rows_come_from_the_csvs_and_the_readme_table_is_replaced(tmp_path):
     assert text.count("| **") == len(claims.CLAIMS)
 
 
-def test_an_empty_readme_option_skips_the_readme(tmp_path, monkeypatch):
+def test_an_empty_results_option_skips_the_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "README.md").write_text(f"{claims.START}\nold table\n{claims.END}\n")
-    claims.main(["--figures", str(tmp_path), "--readme", ""])
+    claims.main(["--figures", str(tmp_path), "--results", ""])
     assert "old table" in (tmp_path / "README.md").read_text() and (tmp_path / "claims.csv").exists()
 
 
-def test_a_readme_without_markers_is_refused(tmp_path):
+def test_a_results_file_without_markers_is_refused(tmp_path):
     (tmp_path / "README.md").write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
-        claims.update_readme(tmp_path / "README.md", "| table |")
+        claims.update_results(tmp_path / "README.md", "| table |")

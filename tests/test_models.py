@@ -1,5 +1,10 @@
 """Loading models by name, folder or object; tiny models; clear errors when something is missing."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -15,8 +20,41 @@ def test_missing_model_package_names_the_install_command(monkeypatch, tmp_path):
 
 
 def test_unknown_name_or_folder_is_refused(tmp_path):
-    with pytest.raises(FileNotFoundError, match="never downloads"):
+    with pytest.raises(FileNotFoundError, match="no folder"):
         probe.load_model(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="smollm2-135m, gemma3-270m"):
+        probe.load_model("smollm2")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        probe.load_model(tmp_path / "empty")
+    with pytest.raises(ValueError, match="not both"):
+        probe.load_model(tmp_path, device="cpu", device_map="auto")
+
+
+def test_a_hub_id_loads_from_a_hub_cache_offline(tiny_model_folder, tmp_path):
+    """A real hub-cache layout (models--ORG--NAME/snapshots/REV, refs/main) holding a saved model
+    loads by its hub id under offline mode (set by conftest), equal to the folder."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--longprobe--tiny-llama"
+    snapshot = repo / "snapshots" / revision
+    shutil.copytree(tiny_model_folder, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    by_id, tokenizer = probe.load_model("longprobe/tiny-llama", cache_dir=tmp_path)
+    by_folder, _ = probe.load_model(tiny_model_folder)
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(by_id(ids).logits, by_folder(ids).logits)
+    assert by_id.config._attn_implementation == "sdpa" and not by_id.training
+    half, _ = probe.load_model("longprobe/tiny-llama", cache_dir=tmp_path, dtype=torch.bfloat16, device="cpu")
+    assert next(half.parameters()).dtype == torch.bfloat16
+
+
+def test_importing_probe_changes_no_environment_variable():
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    code = "import os; before = dict(os.environ); import probe; print(dict(os.environ) == before)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True"
 
 
 def test_loaded_model_object_is_returned_as_is():
