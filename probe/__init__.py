@@ -20,7 +20,7 @@ from probe.capture import (
     trace,
 )
 from probe.denoise import noise_restraint
-from probe.detectors import Detection, detect
+from probe.detectors import Detection, attribute, detect
 from probe.generation import answer
 from probe.graph import context_selector
 from probe.lsd import longppl, pool_longppl, token_lsd
@@ -43,6 +43,7 @@ __all__ = [
     "attention_window",
     "attention_matrices",
     "attention_rows",
+    "attribute",
     "checkpointed",
     "context_selector",
     "embedding_grad_norms",

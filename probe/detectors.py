@@ -54,7 +54,8 @@ class Detection:
     ``per_head`` [layers, heads, seq]) and diagnostics (``convergence_delta``).
     ``settings``: every option that produced the result. ``name``: the registered detector's name,
     set by the registry (``None`` for a detection built by hand). ``sample``: the sample it was
-    found on (set by the registry; not saved), which :meth:`show` draws.
+    found on (set by the registry; not saved), which :meth:`show` draws. ``rows``: what
+    :meth:`to_frame` gives a row for by default, ``"token"`` or ``"source"`` (:func:`attribute`).
     """
 
     scores: torch.Tensor
@@ -63,6 +64,7 @@ class Detection:
     details: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
     sample: Sample | None = field(default=None, repr=False, compare=False)
+    rows: str = "token"
 
     def _view(self, sample: Sample | None) -> str:
         sample = sample if sample is not None else self.sample
@@ -94,8 +96,16 @@ class Detection:
             raise ValueError("this detection carries no sample (loaded from a file?): pass the sample")
         return source_scores(self.scores, sample.sources, reduce)
 
-    def to_frame(self, tokenizer=None, sample: Sample | None = None) -> pd.DataFrame:
-        """One row per token: position, score, flagged (and token text / category given a sample)."""
+    def to_frame(self, tokenizer=None, sample: Sample | None = None, rows: str | None = None) -> pd.DataFrame:
+        """One row per token (position, score, flagged; token text and category given a sample and
+        tokenizer) or, with ``rows="source"``, one row per source of the sample (its category, token
+        span, text, score and rank, 1 = highest). ``rows`` defaults to :attr:`rows`."""
+        rows = rows or self.rows
+        if rows == "source":
+            return self._source_frame(sample if sample is not None else self.sample)
+        if rows != "token":
+            raise ValueError(f"rows must be 'token' or 'source', got {rows!r}")
+        sample = sample if sample is not None or tokenizer is None else self.sample
         frame = pd.DataFrame(
             {
                 "position": np.arange(len(self.scores)),
@@ -109,10 +119,28 @@ class Detection:
                 frame["token"] = [tokenizer.decode(t) for t in sample.input_ids]
         return frame.assign(detector=self.name)
 
+    def _source_frame(self, sample: Sample | None) -> pd.DataFrame:
+        if sample is None:
+            raise ValueError("a per-source frame needs the sample: pass to_frame(sample=...)")
+        scores = self.source_scores(sample).numpy()
+        frame = pd.DataFrame(
+            {
+                "source": range(len(sample.sources)),
+                "category": [source.category for source in sample.sources],
+                "start": [source.start for source in sample.sources],
+                "end": [source.end for source in sample.sources],
+                "text": [sample.text[slice(*sample.char_spans[s.category][s.index])] for s in sample.sources],
+                "score": scores,
+            }
+        )
+        frame["rank"] = frame.score.rank(ascending=False, method="first").astype(int)
+        return frame.assign(detector=self.name)
+
     def save(self, path: str | Path) -> None:
         """Write name, scores, flags, settings and details as JSON, atomically (tensors as nested lists)."""
         record = {
             "name": self.name,
+            "rows": self.rows,
             "settings": self.settings,
             "scores": self.scores.tolist(),
             "flagged": self.flagged.tolist(),
@@ -126,6 +154,7 @@ class Detection:
         record = read_json(path, "Detection", ("scores", "flagged", "settings", "details"))
         return cls(
             name=record.get("name"),
+            rows=record.get("rows", "token"),
             scores=torch.tensor(record["scores"]),
             flagged=torch.tensor(record["flagged"], dtype=torch.bool),
             settings=record["settings"],
@@ -183,6 +212,40 @@ def detect(
     if not isinstance(sample, Sample):
         return [found[name] for found in detect_many([name], model, tokenizer, sample, {name: options})]
     return _REGISTRY[name](model, tokenizer, sample, **options)
+
+
+def attribute(
+    model,
+    tokenizer,
+    context: str,
+    query: str,
+    response: str | None = None,
+    method: str = "key_removal_grad",
+    sources: str | Sequence[str] | Sequence[tuple[int, int]] = "sentences",
+    chat: bool | None = None,
+    max_new_tokens: int = 64,
+    **options,
+) -> Detection:
+    """Which parts of ``context`` carry the answer to ``query``: ContextCite's question, in one call.
+
+    The context becomes a sample (:meth:`probe.tasks.Sample.from_text`, cut into ``sources``); the
+    model answers greedily (at most ``max_new_tokens``) unless ``response`` is given; detector
+    ``method`` (any of :func:`names`, ``options`` to it) explains the response's teacher-forced
+    tokens. Returns the :class:`Detection`, its sample attached (``detection.sample``, with the
+    response as its answer), whose :meth:`~Detection.to_frame` has one row per source (text, score,
+    rank) and whose view shows the text; :func:`probe.faithfulness.evaluate` and every metric take it.
+    """
+    if method not in _REGISTRY:
+        raise ValueError(f"unknown method {method!r}; registered detectors: {', '.join(_REGISTRY)}")
+    if response is None:
+        from probe.generation import answer
+
+        prompt = Sample.from_text(tokenizer, context, query, None, sources, chat)
+        response = answer(model, tokenizer, prompt, max_new_tokens)
+        if not response:
+            raise ValueError("the model's greedy answer is empty: pass response=... to explain a given one")
+    sample = Sample.from_text(tokenizer, context, query, response, sources, chat)
+    return dataclasses.replace(detect(method, model, tokenizer, sample, **options), rows="source")
 
 
 SHARED_PASS = ("attention", "fr", "embedding_grad", "information_flow", "grad_times_input", "at2")

@@ -26,6 +26,7 @@ COLOURS = {
     "interference": "#d95f02",
     "noise": "#7570b3",
     "low_frequency": "#e7298a",
+    "context": "#a6761d",
     "question": "#66a61e",
     "answer": "#000000",
 }

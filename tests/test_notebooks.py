@@ -9,8 +9,12 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = "<tiny model folder>"  # replaced by the `tiny_model_folder` fixture's path
 TINY_SETTINGS = {
+    "attribute.ipynb": {"MODEL": TINY_MODEL, "METHOD": "attention", "MASKS": 4},
     "claims.ipynb": {"KEYS": ["nope_first", "decay_last", "retrieval_heads", "cdt_scale"]},
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
+    "learn_head_weights.ipynb": {
+        "MODEL": TINY_MODEL, "LENGTH": 192, "TRAIN_SAMPLES": 2, "HELDOUT_LENGTH": 160, "MASKS": 6,
+    },  # fmt: skip
     "longppl.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256, "K": 32, "D": 32},
     "noise_restraint.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192},
     "objectives.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 128, "TRAIN_SAMPLES": 2, "STEPS": 1},

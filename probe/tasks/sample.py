@@ -34,9 +34,13 @@ from transformers import PreTrainedTokenizerBase
 
 from probe import views
 
-CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "question", "answer")
-#: The categories of the context body: each of their spans is one :class:`Source`.
-CONTEXT_CATEGORIES = ("supporting", "interference", "noise", "low_frequency")
+CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "context", "question", "answer")
+#: The categories of the context body: each of their spans is one :class:`Source`. ``context``: a
+#: unit of a researcher's own text (:meth:`Sample.from_text`).
+CONTEXT_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "context")
+SOURCE_SPLITS = ("sentences", "paragraphs")
+_SENTENCE_END = re.compile(r"(?<=[.!?…])[\"')\]]*\s+(?=\S)")
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 
 _SENTINEL = "\ue000LONGPROBE_CONTENT\ue000"  # private-use characters: never part of a template
 
@@ -263,6 +267,58 @@ class Sample:
             removed=tuple(sorted(removed)),
         )
 
+    @classmethod
+    def from_text(
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        context: str,
+        query: str,
+        response: str | None = None,
+        sources: str | Sequence[str] | Sequence[tuple[int, int]] = "sentences",
+        chat: bool | None = None,
+    ) -> Sample:
+        """A researcher's own document and question as a sample, with exact token spans.
+
+        ``context`` becomes the prompt's context, verbatim, cut into sources: ``"sentences"`` (after
+        ., !, ? or … and the closing quotes or brackets that follow, before whitespace; no download,
+        no model), ``"paragraphs"`` (at blank lines), a list of strings (each found in ``context``,
+        in order, after the previous one) or a list of ``(start, end)`` character ranges of
+        ``context``. Each source is one ``"context"`` span; the text between sources (whitespace)
+        is kept but belongs to none. ``query`` is the question; ``response`` the answer whose tokens
+        are explained, teacher-forced (``None``: a prompt-only sample whose answer is empty, for
+        generating one, as :func:`probe.attribute` does). ``chat``: use the tokenizer's chat
+        template (default: when it has one). One tokenization, the same exact span mapping as the
+        tasks: every detector, metric, view and faithfulness measure works on the result.
+        """
+        for name, value in (("context", context), ("query", query)):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{name} must be non-empty text, got {value!r}")
+        if response is not None and (not isinstance(response, str) or not response.strip()):
+            raise ValueError(f"response must be non-empty text or None (generate one), got {response!r}")
+        ranges = _source_ranges(context, sources)
+        body, position = [], 0
+        for start, end in ranges:
+            body += [Unit(context[position:start]), Unit(context[start:end], "context")]
+            position = end
+        body.append(Unit(context[position:]))
+        body = [unit for unit in body if unit.text]
+        with_chat = uses_chat(tokenizer, chat)
+        answer = "" if response is None else response.strip()
+        prompt = Prompt(
+            instruction="Answer the question using the context.",
+            question=query.strip(),
+            answer=answer,
+            answer_prefix="",
+            answer_pattern=re.escape(answer) if answer else r"\S+",
+            context_open="Context:\n",
+            separator="",
+            answer_separator="" if with_chat else " ",
+        )
+        mode = sources if isinstance(sources, str) else "given"
+        settings = {"task": "text", "length": len(context), "seed": 0, "depth": None,
+                    "options": {"sources": mode, "chat": with_chat}}  # fmt: skip
+        return render(tokenizer, prompt, body, settings, chat=with_chat)
+
     def score(self, generated_text: str) -> float:
         """1.0 if the first candidate answer in ``generated_text`` is the gold answer, else 0.0.
 
@@ -297,6 +353,51 @@ class Sample:
         for key in ("spans", "char_spans"):
             fields[key] = {cat: [tuple(s) for s in spans] for cat, spans in record[key].items()}
         return cls(**fields)
+
+
+def _source_ranges(
+    context: str, sources: str | Sequence[str] | Sequence[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """Character ranges [start, end) of the sources of ``context`` (see :meth:`Sample.from_text`),
+    each stripped of surrounding whitespace, in order, none empty."""
+    if isinstance(sources, str):
+        if sources not in SOURCE_SPLITS:
+            raise ValueError(
+                f"sources must be one of {SOURCE_SPLITS}, a list of strings or of (start, end) spans, "
+                f"got {sources!r}"
+            )
+        pattern = _SENTENCE_END if sources == "sentences" else _PARAGRAPH_BREAK
+        cuts = [0, *(m.end() for m in pattern.finditer(context)), len(context)]
+        ranges = list(zip(cuts, cuts[1:], strict=False))
+    elif sources and all(isinstance(source, str) for source in sources):
+        ranges, position = [], 0
+        for source in sources:
+            start = context.find(source, position)
+            if start < 0:
+                raise ValueError(
+                    f"source {source[:60]!r} does not occur in the context after position {position}"
+                )
+            ranges.append((start, start + len(source)))
+            position = start + len(source)
+    else:
+        ranges = [tuple(int(x) for x in source) for source in sources]
+        if not ranges or any(len(r) != 2 for r in ranges):
+            raise ValueError("sources must be a non-empty list of strings or of (start, end) character spans")
+        for (start, end), (next_start, _) in zip(ranges, [*ranges[1:], (len(context), 0)], strict=True):
+            if not 0 <= start < end <= next_start <= len(context):
+                raise ValueError(
+                    f"source span {(start, end)} is empty, out of the context's {len(context)} characters, "
+                    "or overlaps the next: give sorted, disjoint (start, end) ranges"
+                )
+    stripped = []
+    for start, end in ranges:
+        text = context[start:end]
+        start, end = start + len(text) - len(text.lstrip()), end - len(text) + len(text.rstrip())
+        if end > start:
+            stripped.append((start, end))
+    if not stripped:
+        raise ValueError("the context holds no source: every one is empty or whitespace")
+    return stripped
 
 
 def _full_index(removed: Sequence[tuple[str, int]], category: str, index: int) -> int:
@@ -372,12 +473,16 @@ def render(
     built.add(prompt.context_close + "\n\nQuestion: ")
     built.add(prompt.question, "question")
     built.add(suffix + prompt.answer_prefix)
-    built.add(prompt.answer_separator + prompt.answer, "answer")
+    if prompt.answer:
+        built.add(prompt.answer_separator + prompt.answer, "answer")
     text = built.text
 
     encoding = tokenizer(text, add_special_tokens=not with_chat, return_offsets_mapping=True)
     offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
     spans = {cat: [_token_span(text, offsets, s) for s in built.char_spans[cat]] for cat in CATEGORIES}
+    if not prompt.answer:  # a prompt without its answer yet: the answer starts after the last token
+        n = len(encoding["input_ids"])
+        spans["answer"], built.char_spans["answer"] = [(n, n)], [(len(text), len(text))]
     return Sample(
         **settings,
         text=text,
