@@ -606,7 +606,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         return {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
 
     parts = out / f".detector_{tag}_parts"
-    found = sweep(jobs, run, parts, args.resume, desc=f"detector_compare {args.model} (batches)")
+    settings = {key: value for key, value in vars(args).items() if key not in ("resume", "out")}
+    found = sweep(
+        jobs, run, parts, args.resume, desc=f"detector_compare {args.model} (batches)", settings=settings
+    )
     if found is None:  # not the main process of an accelerate launch: it writes the outputs
         return pd.DataFrame()
     settings = {"model": args.model, "length": args.length}

@@ -23,6 +23,7 @@ architecture; ``--weights-out``), ``{out}/head_weights_{model}.{png,csv}`` (held
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         }
 
     settings = f"{name}-{args.length}-{args.masks}"
-    found = sweep(jobs, run, args.out / f".head_weights_{settings}_parts", args.resume, desc="head weights")
+    chosen = {key: value for key, value in vars(args).items() if key not in ("resume", "out", "weights_out")}
+    parts = args.out / f".head_weights_{settings}_parts"
+    found = sweep(jobs, run, parts, args.resume, desc="head weights", settings=chosen)
     if found is None:
         return pd.DataFrame()
     records = found["records"]
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     result.save(args.weights_out or at2.BUNDLED / f"{name}.json")
     save_figure(plot(summary), summary, args.out, f"head_weights_{name}")
     atomic_write(args.out / f"head_weights_{name}_alphas.csv", lambda tmp: alphas.to_csv(tmp, index=False))
+    shutil.rmtree(parts, ignore_errors=True)  # every output is written: nothing left to resume
     print(
         f"alpha = {alpha}\n{alphas.round(3).to_string(index=False)}\n\n"
         f"{summary.round(3).to_string(index=False)}"

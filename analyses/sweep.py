@@ -19,6 +19,7 @@ On a machine without a GPU the processes join over gloo (:func:`process_state`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def sweep(
     desc: str = "sweep",
     everywhere: bool = False,
     progress: bool = True,
+    settings: dict | None = None,
 ) -> Tables | None:
     """Run ``run(job)`` for every job across accelerate's processes; the main process gets each table
     name's rows of all jobs concatenated in job order, the other processes ``None`` (the same tables
@@ -56,6 +58,8 @@ def sweep(
     """
     state = process_state()
     parts = Path(parts)
+    if settings is not None:
+        check_settings(parts, settings, resume, state.is_main_process)
     todo = [job for job in jobs if not (resume and (parts / f"{part_name(job)}.pkl").exists())]
     new = {}
     with state.split_between_processes(todo) as mine:
@@ -73,6 +77,24 @@ def sweep(
     if everywhere and state.num_processes > 1:
         found = broadcast_object_list([found])[0]
     return found
+
+
+def check_settings(parts: Path, settings: dict, resume: bool, main: bool) -> None:
+    """Keep the settings a sweep's parts were made with in ``{parts}/settings.json`` and refuse to
+    resume with other ones (the rows of both would mix in one table), naming what differs."""
+    path = parts / "settings.json"
+    wanted = json.loads(json.dumps(settings, default=str))
+    if resume and path.exists():
+        found = json.loads(path.read_text())
+        differ = sorted(key for key in wanted.keys() | found.keys() if wanted.get(key) != found.get(key))
+        if differ:
+            changes = "; ".join(f"{key}: {found.get(key)!r} then, {wanted.get(key)!r} now" for key in differ)
+            raise SystemExit(
+                f"--resume with other settings than the parts in {parts} were made with ({changes}): "
+                "run without --resume to start over, or with the same settings"
+            )
+    elif main:
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(wanted, indent=1, sort_keys=True)))
 
 
 def process_state() -> PartialState:

@@ -25,9 +25,11 @@ under TransformerLens's names (``blocks.{l}.attn.hook_pattern``, ``…hook_patte
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -662,19 +664,58 @@ AttentionInterface.register(IMPLEMENTATION, _attention)
 AttentionMaskInterface.register(IMPLEMENTATION, _mask)
 
 
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[tuple[int, str], list] = {}  # (id(model), what) -> [blocks inside, what restore needs]
+
+
 @contextmanager
-def frozen_parameters(model: torch.nn.Module) -> Iterator[None]:
-    """Turn off parameter gradients (and dropout) for the block; restore both afterwards."""
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    was_training = model.training
+def _shared_change(
+    model: torch.nn.Module, what: str, apply: Callable[[], Any], restore: Callable[[Any], None]
+):
+    """Change ``model`` once for every block that needs the change at the same time, and undo it when
+    the last one leaves — also when the blocks run in several threads or nest, also after an
+    exception. ``apply()`` makes the change and returns what ``restore`` needs to undo it.
+
+    The concurrency contract: probes may run on one model from several threads at once; the model's
+    attention implementation, train/eval mode and every ``requires_grad`` are longprobe's while any
+    probe runs, and exactly as found once the last one has returned.
+    """
+    key = (id(model), what)
+    with _SHARED_LOCK:
+        if key in _SHARED:
+            _SHARED[key][0] += 1
+        else:
+            _SHARED[key] = [1, apply()]
     try:
-        model.requires_grad_(False)
-        model.eval()
         yield
     finally:
+        with _SHARED_LOCK:
+            entry = _SHARED[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _SHARED[key]
+                restore(entry[1])
+
+
+@contextmanager
+def frozen_parameters(model: torch.nn.Module) -> Iterator[None]:
+    """Turn off parameter gradients (and dropout) for the block; restore both afterwards
+    (thread-safe and re-entrant, see :func:`_shared_change`)."""
+
+    def freeze() -> tuple[list, bool]:
+        saved = [(p, p.requires_grad) for p in model.parameters()], model.training
+        model.requires_grad_(False)
+        model.eval()
+        return saved
+
+    def thaw(saved: tuple[list, bool]) -> None:
+        flags, was_training = saved
         for param, flag in flags:
             param.requires_grad_(flag)
         model.train(was_training)
+
+    with _shared_change(model, "frozen", freeze, thaw):
+        yield
 
 
 @contextmanager
@@ -688,12 +729,16 @@ def _modified(inner: PreTrainedModel, **added) -> Iterator[None]:
         )
     active = _active()
     token = _ACTIVE.set(replace(active, **{name: (*getattr(active, name), m) for name, m in added.items()}))
-    original = inner.config._attn_implementation
-    try:
+
+    def install() -> str:
+        original = inner.config._attn_implementation
         inner.set_attn_implementation(IMPLEMENTATION)
-        yield
+        return original
+
+    try:
+        with _shared_change(inner, "attention", install, inner.set_attn_implementation):
+            yield
     finally:
-        inner.set_attn_implementation(original)
         _ACTIVE.reset(token)
 
 

@@ -228,12 +228,26 @@ def evaluate(
     ``aopc_sufficiency``, ``lds``, ``n_sources``.
     """
     n_sources = len(sample.sources)
+    ks = list(ks)
+    if not ks or any(isinstance(k, bool) or int(k) != k or k < 1 for k in ks):
+        raise ValueError(f"ks must be a non-empty list of positive integers, got {ks}")
+    if isinstance(n_masks, bool) or int(n_masks) != n_masks or n_masks < 2:
+        raise ValueError(
+            f"n_masks must be an integer >= 2 (LDS is a rank correlation over masks), got {n_masks}"
+        )
     kept_random = random_masks(n_sources, n_masks, keep, seed)
     masks = {"full": torch.zeros(1, n_sources, dtype=torch.bool), "random": ~kept_random}
     for name, score in scores.items():
-        if score.shape != (n_sources,):
+        if not torch.is_tensor(score) or score.shape != (n_sources,):
+            shape = tuple(score.shape) if torch.is_tensor(score) else type(score).__name__
             raise ValueError(
-                f"scores[{name!r}] must have one value per source ({n_sources}), got {tuple(score.shape)}"
+                f"scores[{name!r}] must be a Tensor with one value per source ({n_sources}), got {shape}"
+            )
+        if not torch.isfinite(score).all():
+            bad = [sample.sources[i] for i in (~torch.isfinite(score)).nonzero()[:3, 0].tolist()]
+            raise ValueError(
+                f"scores[{name!r}] holds NaN or infinite values (e.g. at sources {bad}): a ranking of them "
+                "means nothing; fix the scorer or drop it"
             )
         top = top_k_masks(score, ks)
         masks[f"{name}/removed"] = top

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -31,10 +32,14 @@ class Result(Protocol):
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
-    """Call ``write(tmp_path)``, then rename the temporary file onto ``path`` (same folder)."""
+    """Call ``write(tmp_path)``, then rename the temporary file onto ``path`` (same folder).
+
+    The temporary name is unique to this call (process id and a random suffix), so concurrent
+    writers of one path never collide: each rename is whole, and the last complete write wins.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}-{secrets.token_hex(4)}{path.suffix}")
     try:
         write(tmp)
         os.replace(tmp, path)

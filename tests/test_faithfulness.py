@@ -166,3 +166,18 @@ def test_pruned_and_hierarchical_leave_one_out_are_exact_where_they_measure(mode
     assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-4)
     with pytest.raises(ValueError, match="one way"):
         probe.detect("leave_one_out", model, None, sample, top_m=3, block=2)
+
+
+def test_nan_scores_empty_ks_and_too_few_masks_are_refused(model, sample):
+    n_sources = len(sample.sources)
+    nan = torch.zeros(n_sources)
+    nan[2] = float("nan")
+    with pytest.raises(ValueError, match=r"scores\['broken'\] holds NaN"):
+        faithfulness.evaluate(model, sample, {"broken": nan})
+    truth = {"truth": faithfulness.ground_truth_scores(sample)}
+    with pytest.raises(ValueError, match="ks must be"):
+        faithfulness.evaluate(model, sample, truth, ks=())
+    with pytest.raises(ValueError, match="n_masks must be"):
+        faithfulness.evaluate(model, sample, truth, n_masks=0)
+    with pytest.raises(ValueError, match="one value per source"):
+        faithfulness.evaluate(model, sample, {"list": [0.0] * n_sources})

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from analyses import objectives
 from analyses.sweep import part_name, sweep
@@ -107,3 +108,16 @@ def test_two_processes_fine_tune_exactly_as_one(tiny_model_folder, tmp_path):
         one, two = (pd.read_csv(tmp_path / out / name).drop(columns="wall_s") for out in ("one", "two"))
         pd.testing.assert_frame_equal(one, two)
     assert not list((tmp_path / "two").glob(".*parts"))
+
+
+def test_a_resume_with_other_settings_is_refused_naming_the_difference(tmp_path):
+    def run(job):
+        return {"rows": pd.DataFrame({"job": [job[0]]})}
+
+    sweep([(1,), (2,)], run, tmp_path, settings={"masks": 32, "ks": [1, 2]}, progress=False)
+    again = sweep(
+        [(1,), (2,)], run, tmp_path, resume=True, settings={"masks": 32, "ks": [1, 2]}, progress=False
+    )
+    assert again["rows"].job.tolist() == [1, 2]
+    with pytest.raises(SystemExit, match=r"masks: 32 then, 16 now"):
+        sweep([(1,), (2,)], run, tmp_path, resume=True, settings={"masks": 16, "ks": [1, 2]}, progress=False)
