@@ -69,29 +69,8 @@ from probe import detectors, faithfulness, metrics, tasks
 from probe.at2 import HeadWeights
 from probe.generation import answer
 
-DEFAULT_DETECTORS = [
-    "attention",
-    "fr",
-    "information_flow",
-    "embedding_grad",
-    "grad_times_input",
-    "key_removal_grad",
-    "attn_lrp",
-    "at2",
-    "lsd",
-    "lexical_overlap",
-    "recency",
-    "leave_one_out",
-]
-ONE_PASS = (
-    "attention",
-    "fr",
-    "information_flow",
-    "embedding_grad",
-    "grad_times_input",
-    "key_removal_grad",
-    "at2",
-)
+ONE_PASS = (*detectors.SHARED_PASS, "key_removal_grad", "attn_lrp")  # one forward+backward a sample
+DEFAULT_DETECTORS = [*ONE_PASS, "lsd", "lexical_overlap", "recency", "leave_one_out"]
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
 REFERENCES = ("ground_truth", "random_sources")
 BASELINES = ("attention", "leave_one_out")  # every scorer's difference from these, with intervals
