@@ -303,7 +303,7 @@ def test_compacted_forward_equals_key_masking_on_the_architecture_zoo(name):
 def test_compaction_equals_key_masking_on_the_real_models_at_1k(name):
     model, tokenizer = probe.load_model(name)
     sample = tasks.make("multihop-2", tokenizer, 1024, seed=0)
-    removed = compaction_masks(len(sample.sources))[[0, 5, 6]]  # half removed, one removed, all but one removed
+    removed = compaction_masks(len(sample.sources))[[0, 5, 6]]  # half, one, all but one removed
     masked = faithfulness.answer_scores(model, sample, removed, compact=False)
     compact = faithfulness.answer_scores(model, sample, removed, compact=True)
     assert (compact.logprob - masked.logprob).abs().max() <= COMPACT_ATOL
