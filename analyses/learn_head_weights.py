@@ -16,7 +16,7 @@ Writes ``probe/data/head_weights/{model}.json`` (the weights the ``at2`` detecto
 architecture; ``--weights-out``), ``{out}/head_weights_{model}.{png,csv}`` (held-out LDS) and
 ``{out}/head_weights_{model}_alphas.csv`` (cross-validated LDS per penalty). Resumable (``--resume``).
 
-    python -m analyses.learn_head_weights                          # SmolLM2-135M at 1K
+    python -m analyses.learn_head_weights                          # SmolLM2-135M at 1K, ~30 min on 1 core
     python -m analyses.learn_head_weights --model gemma3-270m
 """
 
@@ -114,11 +114,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"], choices=tasks.names())
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--train-samples", type=int, default=10, help="training samples per task")
-    parser.add_argument("--heldout-samples", type=int, default=4, help="held-out seeds per training task")
+    parser.add_argument("--heldout-samples", type=int, default=3, help="held-out seeds per training task")
     parser.add_argument("--heldout-task", default="multihop-3", choices=tasks.names())
-    parser.add_argument("--heldout-task-samples", type=int, default=6)
+    parser.add_argument("--heldout-task-samples", type=int, default=4)
     parser.add_argument("--heldout-length", type=int, default=2048)
-    parser.add_argument("--heldout-length-samples", type=int, default=2, help="per training task")
+    parser.add_argument("--heldout-length-samples", type=int, default=1, help="per training task")
     parser.add_argument("--masks", type=int, default=32, help="random source masks per sample")
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--weights-out", type=Path, default=None, help="default: the bundled weights file")
