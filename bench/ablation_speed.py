@@ -11,6 +11,12 @@ tokens), and 4 single sources removed (leave-one-out passes) — 17 masks:
 - ``compaction``: prefix reuse, and each pass runs only the kept tokens at their original positions;
 - ``compaction_batch4``: the same, four masks per forward.
 
+The ``evaluate_*`` methods time one whole faithfulness evaluation of the sample
+(:func:`probe.faithfulness.evaluate`: top-k removed and kept for k = 1, 2, 4, 8 and 32 random masks)
+of the scorers of the main job's earlier quick default (8 detectors and 2 references), with key
+masking and prefix reuse (``evaluate_prefix``, the earlier default) and with compaction
+(``evaluate_compaction``); their ratios are against ``evaluate_prefix``.
+
 ``logprob_sum`` is a checksum: equal (to fp32 rounding) across the mask methods.
 
 The leave-one-out methods (``loo_*``, :func:`probe.detectors.leave_one_out`, compaction on) run on
@@ -46,7 +52,22 @@ LOO_METHODS = {
     "loo_pruned": dict(top_m=8, rank_by="key_removal_grad"),
     "loo_hierarchical": dict(block=4, refine=3),
 }
-METHODS = (*MASK_METHODS, *LOO_METHODS)
+EVALUATE_METHODS = {
+    "evaluate_prefix": dict(compact=False),
+    "evaluate_compaction": dict(compact=True),
+}
+#: The scorers of the main job's earlier quick default, for a like-for-like faithfulness evaluation.
+EVALUATED = (
+    "attention",
+    "fr",
+    "embedding_grad",
+    "information_flow",
+    "lsd",
+    "random",
+    "recency",
+    "lexical_overlap",
+)
+METHODS = (*MASK_METHODS, *LOO_METHODS, *EVALUATE_METHODS)
 
 
 def bench_masks(sample):
@@ -60,6 +81,20 @@ def bench_masks(sample):
     single = torch.eye(n_sources, dtype=torch.bool)[torch.linspace(0, n_sources - 1, 4).long()]
     random = ~faithfulness.random_masks(n_sources, 4, seed=0)
     return torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), random, top, ~top, single])
+
+
+def distinct_masks(sample, scorers) -> int:
+    """The number of distinct masks (passes) :func:`probe.faithfulness.evaluate` runs for ``scorers``."""
+    import torch
+
+    from probe import faithfulness
+
+    n_sources = len(sample.sources)
+    masks = [torch.zeros(1, n_sources, dtype=torch.bool), ~faithfulness.random_masks(n_sources, 32)]
+    for scores in scorers.values():
+        top = faithfulness.top_k_masks(scores, faithfulness.KS)
+        masks += [top, ~top]
+    return len(torch.cat(masks).unique(dim=0))
 
 
 def exhaustive_scores(model, tokenizer, sample, found, method: str):
@@ -93,6 +128,25 @@ def _run_child(method: str, length: int, model_name: str, threads: int, loo_samp
     torch.set_num_threads(threads)
     model, tokenizer = probe.load_model(model_name)
     sample = tasks.make("multihop-2", tokenizer, length, seed=0)
+    if method in EVALUATE_METHODS:
+        from analyses.detector_compare import source_scorers
+        from probe import detectors
+
+        options = {"lsd": {"K": length // 4, "d": length // 8}}
+        scorers = source_scorers(detectors.detect_many(EVALUATED, model, tokenizer, sample, options), sample)
+
+        def evaluate():
+            return faithfulness.evaluate(model, sample, scorers, **EVALUATE_METHODS[method])
+
+        stats, frame = measure(
+            evaluate, lambda: faithfulness.answer_scores(model, sample, bench_masks(sample)[:2])
+        )
+        return {
+            **stats,
+            "samples": 1,
+            "passes": distinct_masks(sample, scorers),
+            "logprob_sum": float(frame.lds.sum()),
+        }
     if method in MASK_METHODS:
         removed = bench_masks(sample)
 
@@ -144,9 +198,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     table = pd.concat(tables, ignore_index=True)
     table["seconds_per_sample"] = table.seconds / table.samples
     table["passes_per_second"] = table.passes / table.seconds_per_sample
+    evaluation = table.method.str.startswith("evaluate")  # compared with evaluate_prefix
     for baseline in ("key_masking", "prefix"):
-        reference = table[table.method == baseline].set_index(["model", "length"]).seconds_per_sample
-        keys = pd.MultiIndex.from_frame(table[["model", "length"]])
+        method = table.method.where(~evaluation, f"evaluate_{baseline}").where(evaluation, baseline)
+        reference = table.set_index(["model", "length", "method"]).seconds_per_sample
+        keys = pd.MultiIndex.from_arrays([table.model, table.length, method])
         table[f"time_vs_{baseline}"] = (
             table.seconds_per_sample.to_numpy() / reference.reindex(keys).to_numpy()
         )
