@@ -174,7 +174,10 @@ def _run_child(method: str, length: int, model_name: str, threads: int, loo_samp
                 "spearman_vs_exhaustive": float(spearmanr(ours.numpy(), exact.numpy()).statistic),
             }
         )
-    return {**pd.DataFrame(rows).mean().to_dict(), "samples": len(samples), "peak_mib": float("nan")}
+    frame = pd.DataFrame(rows)
+    agreement = frame[["top1_agreement", "spearman_vs_exhaustive"]].mean().to_dict()
+    totals = {"seconds": frame.seconds.sum(), "passes": frame.passes.sum()}  # over the samples
+    return {**totals, **agreement, "samples": len(samples), "peak_mib": float("nan")}
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -196,17 +199,31 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         )
         tables.append(one.assign(model=model))
     table = pd.concat(tables, ignore_index=True)
-    table["seconds_per_sample"] = table.seconds / table.samples
-    table["passes_per_second"] = table.passes / table.seconds_per_sample
-    evaluation = table.method.str.startswith("evaluate")  # compared with evaluate_prefix
-    for baseline in ("key_masking", "prefix"):
-        method = table.method.where(~evaluation, f"evaluate_{baseline}").where(evaluation, baseline)
-        reference = table.set_index(["model", "length", "method"]).seconds_per_sample
-        keys = pd.MultiIndex.from_arrays([table.model, table.length, method])
-        table[f"time_vs_{baseline}"] = (
-            table.seconds_per_sample.to_numpy() / reference.reindex(keys).to_numpy()
-        )
-    return report(table, args.csv)
+    return report(add_ratios(table), args.csv)
+
+
+#: Each ratio column and the method it divides by, per family of methods (same model and length).
+RATIOS = {
+    "time_vs_key_masking": {"mask": "key_masking"},
+    "time_vs_prefix": {"mask": "prefix", "evaluate": "evaluate_prefix"},
+    "time_vs_exhaustive": {"loo": "loo_exhaustive"},
+}
+
+
+def add_ratios(table: pd.DataFrame) -> pd.DataFrame:
+    """Seconds per sample and passes per second, and each row's time as a ratio of its family's
+    baseline (:data:`RATIOS`); NaN where the family has none."""
+    table = table.assign(
+        seconds_per_sample=table.seconds / table.samples, passes_per_second=table.passes / table.seconds
+    )
+    family = table.method.map(
+        lambda m: "evaluate" if m.startswith("evaluate") else "loo" if m.startswith("loo") else "mask"
+    )
+    reference = table.set_index(["model", "length", "method"]).seconds_per_sample
+    for column, baselines in RATIOS.items():
+        keys = pd.MultiIndex.from_arrays([table.model, table.length, family.map(baselines)])
+        table[column] = table.seconds_per_sample.to_numpy() / reference.reindex(keys).to_numpy()
+    return table
 
 
 if __name__ == "__main__":
