@@ -28,7 +28,7 @@ from probe.capture import (
     input_device,
     trace,
 )
-from probe.planner import guarded
+from probe.planner import available_memory, guarded
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
 
@@ -350,17 +350,24 @@ def key_removal_gradient(
     A first-order estimate of what removing token j everywhere does to the answer's log-probability
     (``b_j → −∞`` hides key j): positive = the answer leans on it. Unlike scores read off the
     answer rows, it includes indirect paths (a later token that copied token j). Summed over a
-    source's tokens it estimates removing the source. One forward and one backward; the attention
-    of every row is materialized in the backward of each layer, so ``checkpoint`` ("auto": as the
-    planner decides for all rows captured with their gradient) recomputes one layer at a time.
+    source's tokens it estimates removing the source. One forward and one backward; the backward of
+    each layer materializes the attention of every row (``[heads, seq, seq]``), so without
+    checkpointing every layer keeps its own. ``checkpoint="auto"`` recomputes one layer at a time
+    when those matrices of all layers (fp32 probabilities and their gradients) would take more than
+    half the free memory; the rest is planned as for :func:`embedding_grads`.
     """
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)
     inner = hf_model(model)
     seq = ids.shape[1]
+    if checkpoint == "auto":
+        config = inner.config.get_text_config()
+        matrices = 8 * config.num_hidden_layers * config.num_attention_heads * seq**2
+        free = available_memory(input_device(inner))
+        checkpoint = free is None or matrices > free / 2
     bias = torch.zeros(1, seq, device=ids.device, requires_grad=True)
     with (
-        guarded(model, seq, "information_flow", checkpoint, rows=seq),
+        guarded(model, seq, "embedding_grads", checkpoint, len(targets)),
         frozen_parameters(inner),
         torch.enable_grad(),
         bias_keys(inner, bias),
