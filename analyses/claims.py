@@ -154,7 +154,8 @@ def detector_advantage(better: str, worse: str, column: str = "aopc_comprehensiv
         table = rows.pivot_table(index=["model", "length", "task", "seed"], columns="scorer", values=column)
         difference = bootstrap(table[better] - table[worse], over="samples")
         models = ", ".join(sorted(rows.model.unique()))
-        return Measured(difference, f"{models}; {len(table)} multi-hop samples at 1K; {column}")
+        lengths = ", ".join(f"{length // 1024}K" for length in sorted(table.index.unique("length")))
+        return Measured(difference, f"{models}; {len(table)} multi-hop samples at {lengths}; {column}")
 
     return measure
 

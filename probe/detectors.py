@@ -181,12 +181,26 @@ def register(name: str) -> Callable[[Detector], Detector]:
 
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
-            return dataclasses.replace(fn(model, tokenizer, sample, **options), name=name, sample=sample)
+            return _on_cpu(
+                dataclasses.replace(fn(model, tokenizer, sample, **options), name=name, sample=sample)
+            )
 
         _REGISTRY[name] = named
         return named
 
     return add
+
+
+def _on_cpu(detection: Detection) -> Detection:
+    """The detection with its tensors on the CPU, detached: results are data, wherever the model ran."""
+
+    def cpu(value):
+        return value.detach().cpu() if torch.is_tensor(value) else value
+
+    details = {key: cpu(value) for key, value in detection.details.items()}
+    return dataclasses.replace(
+        detection, scores=cpu(detection.scores), flagged=cpu(detection.flagged), details=details
+    )
 
 
 def names() -> list[str]:
@@ -292,7 +306,7 @@ def detect_many(
         for name in names:
             if attribution is not None and name in shared:
                 detection = _from_attribution(name, attribution, one, shared[name])
-                detections[name] = dataclasses.replace(detection, name=name, sample=one)
+                detections[name] = _on_cpu(dataclasses.replace(detection, name=name, sample=one))
             else:
                 detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}))
         found.append(detections)
@@ -315,7 +329,7 @@ def _settings(name: str, model, options: Mapping[str, Any]) -> dict[str, Any]:
 def top_k_mask(scores: torch.Tensor, k: int, context: int) -> torch.Tensor:
     """bool Tensor[seq]: the ``k`` highest scores among the first ``context`` tokens."""
     flagged = torch.zeros(len(scores), dtype=torch.bool)
-    flagged[scores[:context].topk(min(k, context)).indices] = True
+    flagged[scores[:context].topk(min(k, context)).indices.cpu()] = True
     return flagged
 
 
@@ -433,7 +447,7 @@ def from_attribution(
     (:func:`~probe.attribution.answer_attribution`, with the layers it needs), as :func:`detect_many`
     does: no model pass."""
     detection = _from_attribution(name, attribution, sample, _settings(name, model, options))
-    return dataclasses.replace(detection, name=name, sample=sample)
+    return _on_cpu(dataclasses.replace(detection, name=name, sample=sample))
 
 
 def _from_attribution(
