@@ -99,3 +99,13 @@ def masked_eager_forward(model, input_ids, hidden=(), window=None, heads=()):
         for handle in handles:
             handle.remove()
     return out.attentions, out.logits
+
+
+def head_weights_for(model, seed: int = 0):
+    """Random AT2 head weights that fit ``model`` (the bundled ones fit only the real models)."""
+    from probe import at2
+
+    config = model.config.get_text_config()
+    shape = (len(at2.FEATURES), config.num_hidden_layers, config.num_attention_heads)
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return at2.HeadWeights(weights, {"name": "random", "model": at2.fingerprint(model)})

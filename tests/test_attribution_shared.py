@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from reference import head_weights_for
 from transformers import AutoTokenizer
 
 import probe
@@ -74,10 +75,11 @@ def assert_same_detection(got: detectors.Detection, expected: detectors.Detectio
 def test_detect_many_equals_detect_one_by_one_for_every_detector(story, tokenizer):
     model, sample = story
     names = detectors.names()
-    found = detectors.detect_many(names, model, tokenizer, sample, CHEAP)
+    options = {**CHEAP, "at2": {"weights": head_weights_for(model)}}
+    found = detectors.detect_many(names, model, tokenizer, sample, options)
     assert list(found) == names
     for name in names:
-        expected = probe.detect(name, model, tokenizer, sample, **CHEAP.get(name, {}))
+        expected = probe.detect(name, model, tokenizer, sample, **options.get(name, {}))
         assert_same_detection(found[name], expected)
 
 

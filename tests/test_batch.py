@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import head_weights_for
 from transformers import AutoTokenizer
 
 import probe
@@ -118,9 +119,10 @@ def story():
 @pytest.mark.parametrize("name", [*detectors.SHARED_PASS, "recency"])
 def test_detectors_take_several_samples(story, name):
     model, tokenizer, samples = story
-    batched = probe.detect(name, model, tokenizer, samples)
+    options = {"weights": head_weights_for(model)} if name == "at2" else {}
+    batched = probe.detect(name, model, tokenizer, samples, **options)
     for detection, sample in zip(batched, samples, strict=True):
-        alone = probe.detect(name, model, tokenizer, sample)
+        alone = probe.detect(name, model, tokenizer, sample, **options)
         _close(detection.scores, alone.scores)
         assert detection.name == name and detection.settings == alone.settings
         assert torch.equal(detection.flagged, alone.flagged)
