@@ -39,6 +39,7 @@ from probe.attribution import (
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import check_layers, frozen_parameters, hf_model
 from probe.faithfulness import answer_scores, lds, random_masks, source_scores
+from probe.lrp import relevance
 from probe.objectives import critical_tokens
 from probe.planner import guarded
 from probe.results import read_json, write_json
@@ -545,8 +546,6 @@ def attn_lrp(model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool
     the embeddings with the LRP rules for attention, products, norms and gated MLPs, explaining the
     gold answer tokens' logits. One forward and backward; a source scores the sum of its tokens'
     relevance. ``checkpoint``: see :mod:`probe.attribution`."""
-    from probe.lrp import relevance
-
     return _additive(relevance(model, sample.input_ids, sample.target_positions, checkpoint), sample, top_k)
 
 
