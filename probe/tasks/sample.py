@@ -472,9 +472,11 @@ def render(
         built.add(unit.text, unit.category)
     built.add(prompt.context_close + "\n\nQuestion: ")
     built.add(prompt.question, "question")
-    built.add(suffix + prompt.answer_prefix)
     if prompt.answer:
+        built.add(suffix + prompt.answer_prefix)
         built.add(prompt.answer_separator + prompt.answer, "answer")
+    else:  # a prompt for generation ends before the space a completion's first token carries
+        built.add((suffix + prompt.answer_prefix).rstrip(" "))
     text = built.text
 
     encoding = tokenizer(text, add_special_tokens=not with_chat, return_offsets_mapping=True)
