@@ -19,6 +19,8 @@ On a machine without a GPU the processes join over gloo (:func:`process_state`).
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
@@ -102,9 +104,18 @@ def process_state() -> PartialState:
 
     Without a GPU (or with ``ACCELERATE_USE_CPU``) the processes join over gloo on the CPU: a plain
     ``PartialState()`` would ignore the launcher there and leave every process alone, each running
-    every job.
+    every job. A process that joined leaves the group when it exits: a gloo group left to the
+    interpreter's shutdown can abort the process ("terminate called without an active exception").
     """
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    if state.num_processes > 1:
+        _leave_group_at_exit()
+    return state
+
+
+@functools.cache
+def _leave_group_at_exit() -> None:
+    atexit.register(PartialState().destroy_process_group)
 
 
 def is_main_process() -> bool:
