@@ -37,7 +37,7 @@ from probe.attribution import (
     key_removal_gradient,
 )
 from probe.attribution import information_flow as information_flow_per_layer
-from probe.capture import check_layers, frozen_parameters, hf_model
+from probe.capture import check_layers, frozen_parameters, hf_model, input_device
 from probe.faithfulness import answer_scores, lds, random_masks, source_scores
 from probe.lrp import relevance
 from probe.objectives import critical_tokens
@@ -571,13 +571,13 @@ def integrated_gradients(
     from captum.attr import LayerIntegratedGradients
 
     inner = hf_model(model)
-    ids = sample.input_ids[None]
-    targets = sample.target_positions
+    ids = sample.input_ids[None].to(input_device(inner))
+    targets = sample.target_positions.to(ids.device)
     baseline_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def answer_log_prob(batch_ids: torch.Tensor) -> torch.Tensor:
         logits = inner(input_ids=batch_ids, use_cache=False, logits_to_keep=targets - 1).logits.float()
-        answer = sample.input_ids[targets].expand(len(batch_ids), -1)  # fixed: the baseline's ids are pads
+        answer = ids[0, targets].expand(len(batch_ids), -1)  # fixed: the baseline's ids are pads
         return logits.log_softmax(-1).gather(-1, answer[..., None]).squeeze(-1).mean(-1)
 
     batch = min(internal_batch_size, n_steps)
