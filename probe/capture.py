@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -543,19 +544,11 @@ def _attention(
         attention_mask = key_bias.added_to(attention_mask, query, key, window)
     if active.relevance:  # q·kᵀ and A·V are products of two inputs: the uniform rule
         query, key, value = scale_gradient(query, 0.25), scale_gradient(key, 0.25), scale_gradient(value, 0.5)
-    if softcap is None and s_aux is None and window and query.shape[2] > window and key.shape[2] > 2 * window:
-        output = _windowed_sdpa(module, query, key, value, attention_mask, window, dropout, scaling, **kwargs)
-    elif softcap is None and s_aux is None:
-        output, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    else:  # sdpa models neither: exact softmax attention in row blocks
-        if dropout > 0:
-            raise ValueError("attention dropout is active: call model.eval() before probing attention")
-        rows = torch.arange(query.shape[2], device=query.device)
-        pattern = _pattern_blocks(query, key, rows, attention_mask, logits, 256)
-        output = apply_pattern(pattern, value).to(value.dtype)
-
+    # CUDA's memory-efficient kernel cannot return the gradient of a mask at every length ("LSE is not
+    # correctly aligned"): a key bias runs on the math kernel there
+    kernels = sdpa_kernel(SDPBackend.MATH) if active.key_biases and query.is_cuda else nullcontext()
+    with kernels:
+        output = _attention_output(module, query, key, value, attention_mask, logits, dropout, **kwargs)
     layer = getattr(module, "layer_idx", None)
     active.reached(layer)
     captures = [c for c in active.captures if layer in c.layers]
@@ -566,6 +559,25 @@ def _attention(
     for capture in captures:
         output = capture.record(layer, query, key, value, attention_mask, logits, output)
     return _ablate(output, layer, active), None
+
+
+def _attention_output(module, query, key, value, attention_mask, logits: Logits, dropout: float, **kwargs):
+    """Softmax attention [batch, q, heads, dim]: the sdpa kernel (on the band of a sliding window
+    where that is smaller), or exact softmax attention in row blocks for what sdpa does not model
+    (soft-capping, attention sinks)."""
+    scaling, window = logits.scaling, logits.sliding_window
+    plain = logits.softcap is None and logits.sinks is None
+    if plain and window and query.shape[2] > window and key.shape[2] > 2 * window:
+        return _windowed_sdpa(module, query, key, value, attention_mask, window, dropout, scaling, **kwargs)
+    if plain:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )[0]
+    if dropout > 0:
+        raise ValueError("attention dropout is active: call model.eval() before probing attention")
+    rows = torch.arange(query.shape[2], device=query.device)
+    pattern = _pattern_blocks(query, key, rows, attention_mask, logits, 256)
+    return apply_pattern(pattern, value).to(value.dtype)
 
 
 def _ablate(output: torch.Tensor, layer: int | None, active: _Modifiers) -> torch.Tensor:

@@ -17,18 +17,22 @@ def pytest_addoption(parser):
     parser.addoption(
         "--device",
         default="cpu",
-        help="device the tests' models and tensors are created on (e.g. cuda); default cpu, as in CI",
+        help="the second device of tests/test_device.py (e.g. cuda); default: a virtual one on the CPU",
     )
 
 
 def pytest_configure(config):
-    """``--device cuda``: every model and tensor the tests create lands on the GPU
-    (``torch.set_default_device``), so the same exactness tests run there."""
+    """``--device cuda``: tests/test_device.py runs the public API with the model on the GPU and
+    compares it with the CPU; the rest of the suite runs on the CPU either way. The default device
+    stays the CPU (a default device of ``cuda`` would hide the very mistakes those tests look for).
+    Without ``--device`` the second device is a virtual one (``tests/virtual_device.py``)."""
     device = config.getoption("--device")
-    if device != "cpu":
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise pytest.UsageError(f"--device {device}: no CUDA device is available here")
-        torch.set_default_device(device)
+    if device == "cpu":
+        import virtual_device
+
+        virtual_device.register()
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device}: no CUDA device is available here")
 
 
 @pytest.fixture(params=["llama", "gemma3"])

@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+from torch.utils.backend_registration import _DummyBackendModule, _setup_privateuseone_for_python_backend
 
 import probe.attribution
 import probe.planner
@@ -125,13 +125,32 @@ class _Methods(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def register() -> None:
+    """Make ``"vgpu"`` a device type of this process: once, before its first backward (the autograd
+    engine sizes its device queues then), and never in a process with a GPU (the registered
+    PrivateUse1 device would become the accelerator whose streams CUDA's backward asks for)."""
+    if torch._C._get_privateuse1_backend_name() != NAME:
+        _setup_privateuseone_for_python_backend(NAME, backend_module=_Backend())
+
+
+class _Backend(_DummyBackendModule):
+    """What PyTorch asks of a device's module (autocast in checkpointing, RNG state)."""
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    def get_rng_state(self, device=None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor, device=None) -> None:
+        torch.set_rng_state(state)
+
+
 @contextlib.contextmanager
 def virtual_device() -> Iterator[str]:
     """Make ``"vgpu"`` a device for the duration (see the module docstring); yields its name."""
     if torch._C._get_privateuse1_backend_name() != NAME:
-        # once per process (PyTorch allows one rename), and only where it is used: a registered
-        # PrivateUse1 device would become the accelerator that CUDA's autograd streams ask for
-        _setup_privateuseone_for_python_backend(NAME)
+        raise RuntimeError("virtual_device.register() must run first, before the process's first backward")
     host = probe.planner.available_memory("cpu")
 
     def available_memory(device="cpu"):
