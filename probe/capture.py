@@ -299,7 +299,17 @@ def hf_model(model) -> PreTrainedModel:
             f"{type(model).__name__} is not a Hugging Face PreTrainedModel; longprobe hooks attention "
             "through transformers' AttentionInterface"
         )
+    if not any(getattr(module, "is_causal", False) for module in model.modules()):
+        raise _bidirectional(model)
     return model
+
+
+def _bidirectional(module: torch.nn.Module) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{type(module).__name__} attends in both directions (an encoder such as BERT), and longprobe's "
+        "probes read causal attention, where each token sees only the ones before it: use a decoder-only "
+        "causal language model (AutoModelForCausalLM)"
+    )
 
 
 def input_device(model) -> torch.device:
@@ -536,6 +546,8 @@ def _attention(
             f"{type(module).__name__} adds a position bias to its attention logits, which longprobe does not "
             "model; use an architecture with rotary or learned absolute positions"
         )
+    if getattr(module, "is_causal", True) is False:  # an encoder inside a larger model (a vision tower)
+        raise _bidirectional(module)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     window = kwargs.get("sliding_window")
     logits = Logits(scaling, softcap, s_aux, window)

@@ -167,10 +167,12 @@ class Shapes:
         else:
             windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
         norms, qk_norms, gated = _layer_structure(inner, config, head_dim)
+        # GPT-2 names it n_inner, None meaning 4 × hidden
+        intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
         return cls(
             layers=config.num_hidden_layers,
             hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
+            intermediate=intermediate or 4 * config.hidden_size,
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,

@@ -5,6 +5,7 @@ attention (``output_attentions`` and ``retain_grad``), soft-capping and sink log
 The README's list of supported architectures is generated from ``ARCHITECTURES`` (see the last test).
 """
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,10 @@ EAGER_BY_DEFAULT = {"Gemma2Config", "GptOssConfig"}
 def build(name: str) -> transformers.PreTrainedModel:
     """A tiny random model of architecture ``name``, q/k weights scaled so attention is sharp."""
     config_class, settings = ARCHITECTURES[name]
-    config = getattr(transformers, config_class)(**(SMALL | settings))
+    config_type = getattr(transformers, config_class)
+    known = set(inspect.signature(config_type.__init__).parameters) | set(config_type.attribute_map)
+    small = {key: value for key, value in SMALL.items() if key in known}  # the config's own fields only
+    config = config_type(**(small | settings))
     config._attn_implementation = "eager" if config_class in EAGER_BY_DEFAULT else "sdpa"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -130,3 +134,18 @@ def test_readme_lists_the_tested_architectures():
         "README's architecture list differs from tests/test_architectures.py; paste:\n"
         + supported_architectures_markdown()
     )
+
+
+def test_bidirectional_models_are_refused_before_any_work():
+    """BERT attends to later tokens too (eager attention puts most of a row's mass there): causal rows
+    read from it would be wrong, so every probe refuses it, naming the fix."""
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    rows = lambda: probe.attention_rows(model, ids, [3])  # noqa: E731
+    flow = lambda: probe.information_flow(model, ids[0], [5])  # noqa: E731
+    for run in (rows, flow):
+        with pytest.raises(probe.UnsupportedModelError, match="both directions.*AutoModelForCausalLM"):
+            run()
