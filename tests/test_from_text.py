@@ -131,3 +131,32 @@ def test_the_cli_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys, 
     with pytest.raises(SystemExit):
         attribute_cli.main(argv)
     assert message in capsys.readouterr().err
+
+
+PLANTED = "The lighthouse keeper on Bell Rock was named Margaret Ainsley."
+
+
+def planted_essay(tokenizer, tokens: int) -> str:
+    """An essay of about ``tokens`` tokens with :data:`PLANTED` after a sentence near its middle."""
+    from probe.tasks.noise import essay_documents
+
+    essay = essay_documents(tokenizer, tokens)[0]
+    cut = essay.index(". ", len(essay) // 2) + 2
+    return essay[:cut] + PLANTED + " " + essay[cut:]
+
+
+@pytest.mark.real
+def test_the_planted_sentence_is_found_in_an_essay_and_its_removal_costs_the_answer(smollm2):
+    """The README's quick start: SmolLM2 answers from the one sentence that says it, information flow
+    ranks that sentence first of ~100, and removing it takes the answer away."""
+    model, tokenizer = smollm2
+    context = planted_essay(tokenizer, 2000)
+    found = probe.attribute(model, tokenizer, context, "Who was the lighthouse keeper on Bell Rock?",
+                            method="information_flow")  # fmt: skip
+    frame = found.to_frame()
+    assert "Margaret Ainsley" in found.sample.answer and len(frame) > 50
+    assert PLANTED in frame.nsmallest(3, "rank").text.tolist()
+    removed = torch.zeros(2, len(frame), dtype=torch.bool)
+    removed[1, frame.text.tolist().index(PLANTED)] = True
+    logprob = faithfulness.answer_scores(model, found.sample, removed).logprob
+    assert logprob[1] < logprob[0] - 10  # nats: the answer needs that sentence

@@ -9,7 +9,6 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = "<tiny model folder>"  # replaced by the `tiny_model_folder` fixture's path
 TINY_SETTINGS = {
-    "attribute.ipynb": {"MODEL": TINY_MODEL, "METHOD": "attention", "MASKS": 4},
     "claims.ipynb": {"KEYS": ["nope_first", "decay_last", "retrieval_heads", "cdt_scale"]},
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
     "learn_head_weights.ipynb": {
@@ -22,6 +21,7 @@ TINY_SETTINGS = {
     "retrieval_heads.ipynb": {
         "MODEL": TINY_MODEL, "LENGTHS": [160], "DEPTHS": [0.5], "ABLATION_SAMPLES": 1, "K": 2,
     },  # fmt: skip
+    "your_own_text.ipynb": {"MODEL": TINY_MODEL, "METHOD": "attention", "ESSAY_TOKENS": 300, "MASKS": 4},
 }
 
 
