@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ import pandas as pd
 import torch
 
 import probe
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from probe import detectors, faithfulness
 from probe.results import atomic_write
 
@@ -42,8 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--faithfulness", action="store_true", help="also measure faithfulness by ablation")
     parser.add_argument("--masks", type=int, default=32, help="random source masks for LDS")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--device", default=None, help="where to run the model (cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    add_device_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="output folder (created)")
     args = parser.parse_args(argv)
     if not args.context.is_file():
@@ -58,26 +57,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--query is empty")
     if args.masks < 2 or args.max_new_tokens < 1:
         parser.error("--masks must be at least 2 and --max-new-tokens at least 1")
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out} exists and is not a folder")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        parser.error(f"--out {args.out} cannot be created: {error}")
-    if not os.access(args.out, os.W_OK):
-        parser.error(f"--out {args.out} is not writable")
-    if args.device is not None:
-        try:
-            torch.empty(0, device=args.device)
-        except (RuntimeError, AssertionError) as error:
-            parser.error(f"--device {args.device} is not available here: {error}")
+    check_out(parser, args.out)
+    check_device_arguments(parser, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    model, tokenizer = probe.load_model(args.model, dtype=dtype, device=args.device)
+    model, tokenizer = load(args)
     found = probe.attribute(
         model, tokenizer, args.text, args.query, args.response, args.method, args.sources,
         max_new_tokens=args.max_new_tokens,

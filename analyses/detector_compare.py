@@ -61,8 +61,8 @@ import pandas as pd
 import seaborn as sns
 import torch
 
-import probe
 from analyses import stats
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
 from probe import detectors, faithfulness, metrics, tasks
@@ -496,6 +496,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "batches of 4 sped up leave-one-out's passes 1.2x but slowed the whole faithfulness evaluation, "
         "see bench/README.md; on a GPU use 8-16)",
     )
+    add_device_arguments(parser)
     parser.add_argument(
         "--out",
         type=Path,
@@ -521,6 +522,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--ks must be positive numbers of sources")
     if args.loo_top_m is not None and args.loo_top_m < 1:
         parser.error("--loo-top-m must be at least 1")
+    if args.out is not None:
+        check_out(parser, args.out)
+    check_device_arguments(parser, args)
     return args
 
 
@@ -528,9 +532,10 @@ def study_folder(args: argparse.Namespace) -> Path:
     """``figures`` for the main job's default settings (any model and length: their files are named by
     both), else a folder of its own under ``figures/studies``, named by a hash of the settings."""
     defaults = vars(parse_args([]))
-    chosen = {
-        key: value for key, value in vars(args).items() if key not in ("model", "length", "out", "resume")
-    }
+    ignored = ("model", "length", "out", "resume", "device")  # the device does not make another study
+    chosen = {key: value for key, value in vars(args).items() if key not in ignored}
+    if chosen["dtype"] is None:  # the model's own: the folder keeps the name it had before --dtype
+        del chosen["dtype"]
     if all(value == defaults[key] for key, value in chosen.items()):
         return Path("figures")
     digest = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
@@ -545,7 +550,7 @@ def default_detectors(model) -> list[str]:
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     out = args.out or study_folder(args)
-    model, tokenizer = probe.load_model(args.model)
+    model, tokenizer = load(args)
     names = args.detectors or default_detectors(model)
     context = model.config.get_text_config().max_position_embeddings
     if args.length + args.max_new_tokens > context:
@@ -585,7 +590,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         return {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
 
     parts = out / f".detector_{tag}_parts"
-    settings = {key: value for key, value in vars(args).items() if key not in ("resume", "out")}
+    settings = {key: value for key, value in vars(args).items() if key not in ("resume", "out", "device")}
     found = sweep(
         jobs, run, parts, args.resume, desc=f"detector_compare {args.model} (batches)", settings=settings
     )

@@ -34,6 +34,7 @@ import torch
 
 import probe
 from analyses import stats
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
 from probe import at2, detectors, faithfulness, tasks
@@ -120,6 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--heldout-length", type=int, default=2048)
     parser.add_argument("--heldout-length-samples", type=int, default=1, help="per training task")
     parser.add_argument("--masks", type=int, default=32, help="random source masks per sample")
+    add_device_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--weights-out", type=Path, default=None, help="default: the bundled weights file")
     parser.add_argument("--resume", action="store_true")
@@ -128,12 +130,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--masks must be at least 2 and every sample count at least 1")
     if args.train_samples * len(args.tasks) < 2:
         parser.error("fitting needs at least 2 training samples")
+    check_out(parser, args.out)
+    check_device_arguments(parser, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
-    model, tokenizer = probe.load_model(args.model)
+    model, tokenizer = load(args)
     name = Path(args.model).name
     jobs = [
         ("train", task, args.length, TRAIN_SEED + i) for task in args.tasks for i in range(args.train_samples)
@@ -158,7 +162,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         }
 
     settings = f"{name}-{args.length}-{args.masks}"
-    chosen = {key: value for key, value in vars(args).items() if key not in ("resume", "out", "weights_out")}
+    chosen = {
+        key: value
+        for key, value in vars(args).items()
+        if key not in ("resume", "out", "weights_out", "device")
+    }
     parts = args.out / f".head_weights_{settings}_parts"
     found = sweep(jobs, run, parts, args.resume, desc="head weights", settings=chosen)
     if found is None:

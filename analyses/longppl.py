@@ -69,6 +69,7 @@ from sklearn.metrics import accuracy_score, balanced_accuracy_score
 
 import probe
 from analyses import stats
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
 from probe import logprobs, lsd, tasks
@@ -339,6 +340,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--documents", type=int, default=2)
     parser.add_argument("--tasks", nargs="+", default=["passkey"], choices=tasks.names())
     parser.add_argument("--task-samples", type=int, default=5, help="samples per (variant, task)")
+    add_device_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--resume", action="store_true", help="keep the jobs a killed run finished")
     args = parser.parse_args(argv)
@@ -357,6 +359,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--documents, --task-samples and --answer-samples must be at least 1")
     if len(variants_of(args)) < 3:
         parser.error("the correlations need at least 3 variants")
+    check_out(parser, args.out)
+    check_device_arguments(parser, args)
     return args
 
 
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
 
     def model(name: str) -> tuple:
         if name not in loaded:
-            loaded[name] = probe.load_model(name)
+            loaded[name] = load(args, name)
         return loaded[name]
 
     parts, (K, d) = args.out / f".{NAME}_parts", short_windows(args, args.length)

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-import probe
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import save_figure
 from analyses.sweep import sweep
 from probe import denoise, tasks
@@ -147,6 +147,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    add_device_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--quick", action="store_true", help="2 samples per model, steps 0.01 0.1 1 10")
     parser.add_argument("--resume", action="store_true", help="keep the samples a killed run finished")
@@ -155,6 +156,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.samples, args.steps = 2, [0.01, 0.1, 1.0, 10.0]
     if args.samples < 1:
         parser.error("--samples must be at least 1")
+    check_out(parser, args.out)
+    check_device_arguments(parser, args)
     return args
 
 
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     def run(job: tuple) -> dict[str, pd.DataFrame]:
         name, seed = job
         if name not in loaded:
-            loaded[name] = probe.load_model(name)
+            loaded[name] = load(args, name)
         return {"rows": restrain_sample(*loaded[name], args, seed).assign(model=Path(name).name)}
 
     parts = args.out / f".{NAME}_parts"

@@ -81,6 +81,7 @@ import torch
 from tqdm.auto import tqdm
 
 import probe
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, sweep
 from probe import tasks
@@ -265,6 +266,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds", nargs="+", type=int, default=[0], help="torch seeds: a fine-tuning per objective and seed"
     )
+    add_device_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--quick", action="store_true", help="256 tokens, 8 + 8 samples, 12 steps of 2")
     parser.add_argument(
@@ -288,6 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--seeds and --objectives must not repeat")
     if args.length < 64:
         parser.error("--length must be at least 64 tokens")
+    check_out(parser, args.out)
+    check_device_arguments(parser, args)
     args.longce_k = args.longce_k or args.length // 4
     args.cdt_lr = args.cdt_lr or args.lr
     return args
@@ -354,7 +358,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     """Run the comparison and write its outputs; returns the results table (empty on the processes
     of an ``accelerate launch`` other than the main one)."""
     args = parse_args(argv)
-    base, tokenizer = probe.load_model(args.model)
+    base, tokenizer = load(args)
     context = base.config.get_text_config().max_position_embeddings
     if args.length + 16 > context:  # the answer and a few percent of slack in the prompt length
         raise SystemExit(

@@ -45,6 +45,7 @@ import torch
 from tqdm.auto import tqdm
 
 import probe
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import save_figure
 from analyses.sweep import is_main_process, sweep
 from probe import graph, tasks
@@ -634,10 +635,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser.add_argument("--models", nargs="*", help="real models (none: skip the real-model part)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: best on a shared CPU)")
+    add_device_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--resume", action="store_true", help="keep the jobs a killed run finished")
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
+    check_device_arguments(parser, args)
     preset = PRESETS[args.preset or "quick"]
     overrides = {
         k: tuple(v) if isinstance(v, list) else v
@@ -670,11 +674,13 @@ def run_study(preset: Preset, out: Path, progress: bool, resume: bool) -> dict[s
     return tables
 
 
-def run_real(preset: Preset, out: Path, progress: bool, resume: bool) -> dict[str, pd.DataFrame]:
-    """Real models (one sweep job each): first-token mass vs layers, and lost in the middle."""
+def run_real(preset: Preset, args: argparse.Namespace, progress: bool) -> dict[str, pd.DataFrame]:
+    """Real models (one sweep job each, on ``--device`` in ``--dtype``): first-token mass vs layers,
+    and lost in the middle."""
+    out, resume = args.out, args.resume
 
     def run(job: tuple[str]) -> dict[str, pd.DataFrame]:
-        model, tokenizer = probe.load_model(job[0])
+        model, tokenizer = load(args, job[0])
         return {
             "real_models": first_token_mass(job[0], model, tokenizer, preset),
             "lost_in_the_middle": lost_in_the_middle(job[0], model, tokenizer, preset, progress),
@@ -707,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, pd.DataFrame]:
         tables["theory"] = theory_table()
         save_figure(plot_theory(tables["theory"]), tables["theory"], args.out, "position_bias_theory")
     if "real" in args.parts:
-        tables |= run_real(preset, args.out, progress, args.resume)
+        tables |= run_real(preset, args, progress)
     return tables
 
 

@@ -41,6 +41,7 @@ import pandas as pd
 import seaborn as sns
 
 import probe
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, is_main_process, sweep
 from probe import tasks
@@ -145,8 +146,14 @@ def plot_scores(scores: pd.DataFrame) -> plt.Figure:
     fig, axes = plt.subplots(1, len(models), figsize=(3 + 2.6 * len(models), 7), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         grid = scores[scores.model == model].pivot(index="layer", columns="head", values="score")
-        sns.heatmap(grid, ax=ax, vmin=0, vmax=max(scores.score.max(), 0.1), cmap="rocket_r",
-                    cbar_kws={"label": "retrieval score"})
+        sns.heatmap(
+            grid,
+            ax=ax,
+            vmin=0,
+            vmax=max(scores.score.max(), 0.1),
+            cmap="rocket_r",
+            cbar_kws={"label": "retrieval score"},
+        )
         ax.set(title=model, xlabel="query head", ylabel="layer")
         ax.tick_params(axis="y", rotation=0)
     fig.suptitle("Retrieval score per head (Wu et al.): share of the needle copied via its argmax")
@@ -163,8 +170,18 @@ def plot_ablation(table: pd.DataFrame) -> plt.Figure:
         + [baseline.assign(ablated=name) for name in ("retrieval heads", "random heads")]
     )
     grid = sns.relplot(
-        frame, x="k", y="accuracy", hue="ablated", style="ablated", col="model", row="task",
-        kind="line", marker="o", errorbar=("pi", 100), height=3, aspect=1.3,
+        frame,
+        x="k",
+        y="accuracy",
+        hue="ablated",
+        style="ablated",
+        col="model",
+        row="task",
+        kind="line",
+        marker="o",
+        errorbar=("pi", 100),
+        height=3,
+        aspect=1.3,
         facet_kws={"margin_titles": True},
     )
     grid.set_axis_labels("heads ablated (k)", "greedy accuracy")
@@ -187,6 +204,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ks", nargs="+", type=int, default=[0, 5, 10, 20], help="numbers of heads ablated")
     parser.add_argument("--random-draws", type=int, default=1, help="random head sets per k")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random head draws")
+    add_device_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--reuse", action="store_true", help="read detections already in --out")
     parser.add_argument("--resume", action="store_true", help="keep the jobs a killed run finished")
@@ -198,6 +216,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.ablation_samples, args.ks = 6, [0, 5, 10]
     if min(args.needles, args.ablation_samples, args.random_draws) < 1:
         parser.error("--needles, --ablation-samples and --random-draws must be at least 1")
+    check_out(parser, args.out)
+    check_device_arguments(parser, args)
     return args
 
 
@@ -233,7 +253,7 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     parts = args.out / f".{NAME}_parts"
     scores, ablations = [], []
     for name in args.models:
-        model, tokenizer = probe.load_model(name)
+        model, tokenizer = load(args, name)
         context = model.config.get_text_config().max_position_embeddings
         if max(args.lengths + [args.ablation_length]) > context:
             raise SystemExit(f"--lengths / --ablation-length exceed {name}'s context of {context} tokens")
@@ -242,8 +262,10 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
         scores.append(result.to_frame().assign(model=label))
         if is_main_process():
             top = result.top(5).round(3).to_string(index=False)
-            print(f"{label}: {trials.correct.mean():.0%} of {len(trials)} trials correct; LOGO retrieval "
-                  f"score {result.logo_score():.3f}; top heads\n{top}")
+            print(
+                f"{label}: {trials.correct.mean():.0%} of {len(trials)} trials correct; LOGO retrieval "
+                f"score {result.logo_score():.3f}; top heads\n{top}"
+            )
         ranked = list(result.to_frame()[["layer", "head"]].itertuples(index=False, name=None))
         ablated = conditions(ranked, args.ks, args.random_draws, args.seed)
         jobs = [

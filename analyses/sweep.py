@@ -14,7 +14,9 @@ on the main process only.
     accelerate launch --multi_gpu --num_processes 8 -m analyses.detector_compare ...   # eight GPUs
 
 On a machine without a GPU the processes join over gloo (:func:`process_state`). accelerate's own
-``--cpu`` flag is not the way to several CPU processes: without an MPI host file it starts one.
+``--cpu`` flag is not the way to several CPU processes: without an MPI host file it starts one. With
+GPUs each process puts its model on its own GPU (:func:`process_device`, the analyses' default
+``--device``).
 """
 
 from __future__ import annotations
@@ -111,6 +113,13 @@ def process_state() -> PartialState:
     if state.num_processes > 1:
         _leave_group_at_exit()
     return state
+
+
+def process_device() -> torch.device:
+    """This process's device: its own GPU under ``accelerate launch`` / ``torchrun`` with GPUs
+    (``cuda:LOCAL_RANK``, made the current CUDA device), the GPU of a single process on a GPU
+    machine, else the CPU."""
+    return process_state().device
 
 
 @functools.cache

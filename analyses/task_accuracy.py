@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-import probe
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import save_figure
 from analyses.sweep import sweep
 from probe import tasks
@@ -102,12 +102,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", nargs="+", default=tasks.names(), choices=tasks.names())
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048])
     parser.add_argument("--samples", type=int, default=20, help="samples (seeds 0..n-1) per cell")
+    add_device_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("figures"))
     parser.add_argument("--quick", action="store_true", help="2 samples at 512 tokens")
     parser.add_argument("--resume", action="store_true", help="keep samples already in the CSV")
     args = parser.parse_args(argv)
     if args.quick:
         args.samples, args.lengths = 2, [512]
+    check_out(parser, args.out)
+    check_device_arguments(parser, args)
     return args
 
 
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None, models: dict | None = None) -> pd.DataFr
     def run(job: tuple) -> dict[str, pd.DataFrame]:
         name, task, length, seed = job
         if name not in loaded:
-            loaded[name] = probe.load_model(name)
+            loaded[name] = load(args, name)
         return {"rows": pd.DataFrame([evaluate(*loaded[name], name, task, length, seed)])}
 
     parts = args.out / f".{NAME}_parts"
