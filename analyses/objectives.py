@@ -85,7 +85,7 @@ from analyses.arguments import add_device_arguments, check_device_arguments, che
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, sweep
 from probe import tasks
-from probe.capture import check_layers
+from probe.checks import check_layers
 from probe.denoise import answer_attention, category_mass
 from probe.generation import answer
 from probe.objectives import cdt_loss, logo_loss, longce_target_loss, sequence_logprob

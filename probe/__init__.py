@@ -11,7 +11,6 @@ from probe.attribution import (
 )
 from probe.capture import (
     ActivationCache,
-    UnsupportedModelError,
     ablate_heads,
     attention_window,
     checkpointed,
@@ -19,6 +18,7 @@ from probe.capture import (
     target_loss,
     trace,
 )
+from probe.checks import UnsupportedModelError
 from probe.denoise import noise_restraint
 from probe.detectors import Detection, attribute, detect
 from probe.generation import answer

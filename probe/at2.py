@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 from probe.attribution import AnswerAttribution
-from probe.capture import hf_model
+from probe.checks import hf_model
 from probe.results import read_json, write_json
 from probe.tasks import Sample
 

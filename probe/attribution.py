@@ -18,16 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from probe.batch import Batch, batch_loss, batch_of, is_batch
-from probe.capture import (
-    bias_keys,
-    check_input_ids,
-    check_layers,
-    check_positions,
-    frozen_parameters,
-    hf_model,
-    input_device,
-    trace,
-)
+from probe.capture import bias_keys, frozen_parameters, trace
+from probe.checks import check_input_ids, check_layers, check_positions, hf_model, input_device
 from probe.planner import available_memory, guarded
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.capture import check_input_ids, check_integers, check_positions, hf_model, input_device
+from probe.checks import check_input_ids, check_integers, check_positions, hf_model, input_device
 
 
 def is_batch(input_ids, attention_mask: torch.Tensor | None = None) -> bool:

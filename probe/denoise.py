@@ -16,7 +16,8 @@ import pandas as pd
 import torch
 
 from probe.attribution import embedding_grads
-from probe.capture import check_layers, frozen_parameters, hf_model, target_loss, trace
+from probe.capture import frozen_parameters, target_loss, trace
+from probe.checks import check_layers, hf_model
 from probe.deprecation import renamed_arguments
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.tasks import CATEGORIES, Sample

@@ -37,7 +37,8 @@ from probe.attribution import (
     key_removal_gradient,
 )
 from probe.attribution import information_flow as information_flow_per_layer
-from probe.capture import check_layers, frozen_parameters, hf_model, input_device
+from probe.capture import frozen_parameters
+from probe.checks import check_layers, hf_model, input_device
 from probe.faithfulness import answer_scores, lds, random_masks, source_scores
 from probe.lrp import relevance
 from probe.objectives import critical_tokens

@@ -31,7 +31,8 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 
-from probe.capture import check_input_ids, hf_model, mask_keys, original_positions
+from probe.capture import mask_keys, original_positions
+from probe.checks import check_input_ids, hf_model
 from probe.tasks import Sample, Source
 
 KS = (1, 2, 4, 8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from probe.capture import hf_model, input_device
+from probe.checks import hf_model, input_device
 from probe.tasks import Sample
 
 

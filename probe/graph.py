@@ -9,7 +9,7 @@ tokens of ``‖a_t‖ / (‖x_t‖ + ‖a_t‖)`` (``a_t`` the attention output,
 Herasimchyk et al. (2026). :func:`context_selector` streams the layers from the capture core and
 multiplies in row blocks, in place, so memory is O(seq²) whatever the number of layers.
 
-Words: ``layers`` are layer indices (negative allowed, as in :func:`probe.capture.check_layers`),
+Words: ``layers`` are layer indices (negative allowed, as in :func:`probe.checks.check_layers`),
 ``n_layers`` is how many layers a network has or a product multiplies (the paper's ``t + 1``).
 
 **Theory** (content-free attention). Each function returns the query row ``i = n`` of the product of
@@ -38,14 +38,8 @@ import torch
 from torch import nn
 
 from probe.attribution import attention_matrices
-from probe.capture import (
-    UnsupportedModelError,
-    check_input_ids,
-    check_layers,
-    frozen_parameters,
-    hf_model,
-    n_layers,
-)
+from probe.capture import frozen_parameters
+from probe.checks import UnsupportedModelError, check_input_ids, check_layers, hf_model, n_layers
 from probe.deprecation import renamed_arguments
 
 Mix = float | str | None
@@ -162,7 +156,7 @@ def context_selector(
 
     Row ``i`` of ``P^(t)`` is ``P^(t)(z_i = j)`` (Wu et al. eq. 4): the weight of token ``j`` in what
     token ``i`` holds after layer ``t`` (0-based, so ``t + 1`` layers). ``layers`` are layer indices
-    (``None``: every layer; negative counts from the last, as in :func:`probe.capture.check_layers`;
+    (``None``: every layer; negative counts from the last, as in :func:`probe.checks.check_layers`;
     ``depths=`` is its deprecated old name). ``R^(t)`` is ``A^(t)`` for ``mix=None``,
     ``(1 − λ) I + λ A^(t)`` for a float ``mix=λ`` (0.5: attention rollout) and
     ``(1 − λ_t) I + λ_t A^(t)`` with λ_t from :func:`measured_mix` for ``mix="measured"``.

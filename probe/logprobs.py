@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from probe.capture import check_input_ids, check_positions, hf_model
+from probe.checks import check_input_ids, check_positions, hf_model
 from probe.deprecation import renamed_arguments
 
 __all__ = [

@@ -26,15 +26,8 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from probe.capture import (
-    UnsupportedModelError,
-    check_input_ids,
-    check_positions,
-    frozen_parameters,
-    hf_model,
-    lrp_attention,
-    scale_gradient,
-)
+from probe.capture import frozen_parameters, lrp_attention, scale_gradient
+from probe.checks import UnsupportedModelError, check_input_ids, check_positions, hf_model
 from probe.planner import guarded
 
 

@@ -33,7 +33,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from probe import alignment, logprobs
-from probe.capture import hf_model
+from probe.checks import hf_model
 from probe.deprecation import renamed_arguments
 from probe.results import read_json, write_json
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from probe.attribution import embedding_grads
-from probe.capture import check_input_ids, check_positions, hf_model, target_loss
+from probe.capture import target_loss
+from probe.checks import check_input_ids, check_positions, hf_model
 from probe.logprobs import final_hidden_states, short_logprobs, target_logprobs
 from probe.lsd import soft_influence
 from probe.planner import guarded

@@ -89,7 +89,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from probe.capture import checkpointed, hf_model, input_device, masks_active
+from probe.capture import checkpointed, masks_active
+from probe.checks import hf_model, input_device
 
 __all__ = [
     "PROBES",

@@ -24,7 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from probe import views
-from probe.capture import check_input_ids, frozen_parameters, hf_model, n_layers, trace
+from probe.capture import frozen_parameters, trace
+from probe.checks import check_input_ids, hf_model, n_layers
 from probe.results import read_json, write_json
 from probe.tasks import Sample
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from probe.capture import UnsupportedModelError, hf_model
+from probe.checks import UnsupportedModelError, hf_model
 
 __all__ = ["rope_base"]
 

@@ -40,7 +40,7 @@ def test_answer_attribution_equals_the_separate_passes(story, layers):
     model, sample = story
     ids, targets = sample.input_ids, sample.target_positions
     shared = answer_attribution(model, ids, targets, layers)
-    chosen = probe.capture.check_layers(model, layers)
+    chosen = probe.checks.check_layers(model, layers)
     assert shared.layers == tuple(chosen) and torch.equal(shared.rows, targets - 1)
     assert_close(shared.pattern, attention_rows(model, ids, targets - 1, layers))
     assert_close(shared.embedding_grad, embedding_grads(model, ids, targets))

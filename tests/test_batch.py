@@ -86,7 +86,7 @@ def test_checkpointed_batches_equal_plain_batches(tiny):
 def test_one_sequence_keeps_its_single_result(tiny):
     ids, targets = _sequences()
     one = probe.information_flow(tiny, ids[0], targets[0])
-    assert isinstance(one, torch.Tensor) and one.shape == (probe.capture.n_layers(tiny), LENGTHS[0])
+    assert isinstance(one, torch.Tensor) and one.shape == (probe.checks.n_layers(tiny), LENGTHS[0])
     assert isinstance(probe.information_flow(tiny, ids[0][None], targets[0]), torch.Tensor)
     (listed,) = probe.information_flow(tiny, ids[:1], targets[:1])
     _close(listed, one)

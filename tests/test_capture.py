@@ -7,7 +7,7 @@ import torch
 from reference import eager_forward, embedding_grad_reference, information_flow_reference
 
 import probe
-from probe.capture import UnsupportedModelError
+from probe.checks import UnsupportedModelError
 
 ATOL = 1e-5
 SEQ = 24  # longer than the tiny Gemma's sliding window (6), so sliding masks matter

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 import probe
-from probe import capture, denoise, detectors, planner, tasks
+from probe import capture, checks, denoise, detectors, planner, tasks
 from probe.models import converted_folder
 from probe.objectives import cdt_loss
 
@@ -86,7 +86,7 @@ def _run_counting(monkeypatch, run, *args) -> tuple[list[torch.Tensor], int]:
 def assert_checkpointing_changes_nothing(monkeypatch, run, model, tokenizer, sample, tolerance=1e-6):
     plain, plain_calls = _run_counting(monkeypatch, run, model, tokenizer, sample, False)
     checkpointed, calls = _run_counting(monkeypatch, run, model, tokenizer, sample, True)
-    assert plain_calls == 0 and calls >= capture.n_layers(model)
+    assert plain_calls == 0 and calls >= checks.n_layers(model)
     for a, b in zip(plain, checkpointed, strict=True):
         assert (a - b).abs().max() <= tolerance * max(1.0, float(a.abs().max())), (a - b).abs().max()
     assert not any("forward" in vars(m) for m in model.modules())  # the layers are restored

@@ -8,7 +8,7 @@ from reference import eager_forward
 
 import probe
 from probe import graph
-from probe.capture import UnsupportedModelError
+from probe.checks import UnsupportedModelError
 
 
 def dense_selectors(model, ids: torch.Tensor, lams: list[float] | None = None, head: int | None = None):

@@ -9,7 +9,7 @@ import torch
 from reference import masked_eager_forward
 
 import probe
-from probe.capture import UnsupportedModelError
+from probe.checks import UnsupportedModelError
 
 ATOL = 1e-5
 SEQ = 24  # longer than the tiny Gemma's sliding window (6)
@@ -139,8 +139,9 @@ def test_bad_modifier_arguments_are_refused(call, error, message):
 
 def test_a_batch_of_masks_must_match_the_batch():
     model = probe.tiny_model("llama")
-    with pytest.raises(ValueError, match="masks for 3 sequences"), probe.mask_keys(
-        model, torch.zeros(3, SEQ, dtype=torch.bool)
+    with (
+        pytest.raises(ValueError, match="masks for 3 sequences"),
+        probe.mask_keys(model, torch.zeros(3, SEQ, dtype=torch.bool)),
     ):
         model(input_ids=random_ids(model, batch=2), use_cache=False)
 
@@ -155,7 +156,8 @@ def test_two_gradient_traces_of_one_layer_are_refused():
 def test_a_model_that_builds_its_own_mask_is_detected(monkeypatch):
     model = probe.tiny_model("llama")
     monkeypatch.setattr("transformers.models.llama.modeling_llama.create_causal_mask", lambda **kwargs: None)
-    with pytest.raises(UnsupportedModelError, match="builds its attention mask itself"), probe.mask_keys(
-        model, [2]
+    with (
+        pytest.raises(UnsupportedModelError, match="builds its attention mask itself"),
+        probe.mask_keys(model, [2]),
     ):
         model(input_ids=random_ids(model), use_cache=False)

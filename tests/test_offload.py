@@ -27,7 +27,7 @@ PROBES = {
 
 def _masked_logits(model):
     with probe.mask_keys(model, [3, 4, 20]), torch.no_grad():
-        return model(input_ids=IDS[None].to(probe.capture.input_device(model))).logits
+        return model(input_ids=IDS[None].to(probe.checks.input_device(model))).logits
 
 
 @pytest.fixture(params=["cpu_offload", "disk_offload"])
