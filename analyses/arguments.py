@@ -66,3 +66,12 @@ def load(args: argparse.Namespace, name: str | None = None) -> tuple:
     own = process_device() if torch.cuda.is_available() else None
     dtype = getattr(torch, args.dtype) if args.dtype else None
     return probe.load_model(name or args.model, dtype=dtype, device=args.device or own)
+
+
+def resume_settings(args: argparse.Namespace, *ignored: str) -> dict:
+    """The settings a run's parts are made with, for ``sweep(settings=...)``: every argument but where
+    the outputs go, whether to resume, and where the model runs (none of them changes a row), nor
+    ``ignored``. A ``--resume`` with other settings is then refused, naming the difference."""
+    return {
+        key: value for key, value in vars(args).items() if key not in {"out", "resume", "device", *ignored}
+    }

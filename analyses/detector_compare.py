@@ -522,6 +522,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--ks must be positive numbers of sources")
     if args.loo_top_m is not None and args.loo_top_m < 1:
         parser.error("--loo-top-m must be at least 1")
+    if args.lsd_k is not None and not 1 <= args.lsd_k < args.length:
+        parser.error(f"--lsd-k must be between 1 and --length - 1 ({args.length - 1}), got {args.lsd_k}")
+    if args.top_k < 1:
+        parser.error("--top-k must be at least 1")
     if args.out is not None:
         check_out(parser, args.out)
     check_device_arguments(parser, args)
@@ -558,7 +562,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             f"--length {args.length} (+ the answer) exceeds {args.model}'s context of {context} tokens"
         )
 
-    lsd_k = args.lsd_k or args.length // 4
+    lsd_k = args.length // 4 if args.lsd_k is None else args.lsd_k
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
     options["context_cite"] = {"seed": args.seed + 1}  # its masks must differ from the LDS masks (seed)
     options["leave_one_out"] = {"top_m": args.loo_top_m}

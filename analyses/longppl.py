@@ -69,7 +69,7 @@ from sklearn.metrics import accuracy_score, balanced_accuracy_score
 
 import probe
 from analyses import stats
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
 from probe import logprobs, lsd, tasks
@@ -384,7 +384,14 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         return {"keys": pd.DataFrame({"document": [index], "key_tokens": [chosen]})}
 
     # computed once, one job per document; every process needs them all: the main process sends them
-    found = sweep([("keys", i) for i in range(len(texts))], key_tokens, parts, args.resume, "key tokens")
+    found = sweep(
+        [("keys", i) for i in range(len(texts))],
+        key_tokens,
+        parts,
+        args.resume,
+        "key tokens",
+        settings=resume_settings(args),
+    )
     (keys,) = broadcast_object_list([None if found is None else list(found["keys"].key_tokens)])
 
     def document(job: tuple) -> dict[str, pd.DataFrame]:
@@ -413,6 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         parts,
         args.resume,
         "documents",
+        settings=resume_settings(args),
     )
     samples = sweep(
         [("task", *v, t, s) for v in variants for t in args.tasks for s in range(args.task_samples)],
@@ -420,6 +428,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         parts,
         args.resume,
         "task samples",
+        settings=resume_settings(args),
     )
     answers = sweep(
         [
@@ -432,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         parts,
         args.resume,
         "answer tokens",
+        settings=resume_settings(args),
     )
     if answers is None:  # not the main process of an accelerate launch: it writes the outputs
         return {}

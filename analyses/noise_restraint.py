@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import save_figure
 from analyses.sweep import sweep
 from probe import denoise, tasks
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         return {"rows": restrain_sample(*loaded[name], args, seed).assign(model=Path(name).name)}
 
     parts = args.out / f".{NAME}_parts"
-    found = sweep(jobs, run, parts, args.resume, desc=NAME)
+    found = sweep(jobs, run, parts, args.resume, desc=NAME, settings=resume_settings(args))
     if found is None:  # not the main process of an accelerate launch: it writes the outputs
         return pd.DataFrame()
     table = found["rows"]

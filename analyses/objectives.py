@@ -81,7 +81,7 @@ import torch
 from tqdm.auto import tqdm
 
 import probe
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, sweep
 from probe import tasks
@@ -348,7 +348,7 @@ def compare(
     ]
     jobs = [("none",)] + [(name, seed) for seed in args.seeds for name in args.objectives]
     run = functools.partial(run_job, base, tokenizer, train, held_out, args)
-    found = sweep(jobs, run, parts, args.resume, desc=NAME)
+    found = sweep(jobs, run, parts, args.resume, desc=NAME, settings=resume_settings(args))
     if found is None:
         return None
     return found["results"].astype({"torch_seed": "Int64"}), found["training"]

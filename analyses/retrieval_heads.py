@@ -41,7 +41,7 @@ import pandas as pd
 import seaborn as sns
 
 import probe
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, is_main_process, sweep
 from probe import tasks
@@ -237,7 +237,15 @@ def detected(
         for seed in range(args.needles)
     ]
     run = functools.partial(detection_trial, model, tokenizer, args)
-    found = sweep(jobs, run, parts, args.resume, desc=f"detection {label}", everywhere=True)
+    found = sweep(
+        jobs,
+        run,
+        parts,
+        args.resume,
+        desc=f"detection {label}",
+        everywhere=True,
+        settings=resume_settings(args),
+    )
     result = probe.RetrievalScores.concat(list(found["result"].result))
     trials = result.trials.assign(model=label)
     if is_main_process():
@@ -274,7 +282,7 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
             for i in range(args.ablation_samples)
         ]
         run = functools.partial(ablation_sample, model, tokenizer, args, ablated)
-        found = sweep(jobs, run, parts, args.resume, desc=f"ablation {label}")
+        found = sweep(jobs, run, parts, args.resume, desc=f"ablation {label}", settings=resume_settings(args))
         if found is not None:  # None: not the main process of an accelerate launch
             ablations.append(accuracy(found["rows"]).assign(model=label))
 

@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import save_figure
 from analyses.sweep import sweep
 from probe import tasks
@@ -114,6 +114,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# each row names its cell and seed, so a resume may add or drop models, tasks, lengths and samples
+CELL_SETTINGS = ("models", "tasks", "lengths", "samples", "quick")
+
+
 def main(argv: list[str] | None = None, models: dict | None = None) -> pd.DataFrame:
     """Run the table; ``models`` maps names to already-loaded ``(model, tokenizer)`` pairs (tests).
 
@@ -136,7 +140,11 @@ def main(argv: list[str] | None = None, models: dict | None = None) -> pd.DataFr
         return {"rows": pd.DataFrame([evaluate(*loaded[name], name, task, length, seed)])}
 
     parts = args.out / f".{NAME}_parts"
-    found = sweep(todo, run, parts, args.resume, desc=NAME) if todo else {"rows": done.iloc[:0]}
+    found = (
+        sweep(todo, run, parts, args.resume, desc=NAME, settings=resume_settings(args, *CELL_SETTINGS))
+        if todo
+        else {"rows": done.iloc[:0]}
+    )
     if found is None:  # not the main process of an accelerate launch: it writes the outputs
         return pd.DataFrame()
     results = pd.concat([done, found["rows"]]).astype({"length": int, "seed": int, "correct": float})

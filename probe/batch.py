@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from probe.checks import check_input_ids, check_integers, check_positions, hf_model, input_device
@@ -70,6 +71,12 @@ def batch_of(
     ``positions``: one sequence of positions per input row, indexing that row as given.
     """
     sequences, offsets = _sequences(input_ids, attention_mask)
+    flat = torch.is_tensor(positions) and positions.ndim < 2 or isinstance(positions, (int, str))
+    if flat or not torch.is_tensor(positions) and any(isinstance(p, (int, np.integer)) for p in positions):
+        raise TypeError(
+            f"{what} for {len(sequences)} sequences must be one list of positions per sequence "
+            f"([[...], [...]]), got one flat list {positions!r}"
+        )
     if len(positions) != len(sequences):
         raise ValueError(
             f"{len(sequences)} sequences but {len(positions)} lists of {what}: give one list each"
@@ -78,8 +85,7 @@ def batch_of(
     for b, (ids, where, offset) in enumerate(zip(sequences, positions, offsets, strict=True)):
         ids = check_input_ids(model, ids)[0]
         label = what if len(sequences) == 1 else f"{what} of sequence {b}"
-        check_integers(where, label)
-        where = torch.as_tensor(where, dtype=torch.long).reshape(-1) - offset
+        where = check_integers(where, label).reshape(-1) - offset
         label += f" (less its {offset} padding tokens)" if offset else ""
         checked.append(ids)
         shifted.append(check_positions(where, len(ids), label, minimum))

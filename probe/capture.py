@@ -45,7 +45,15 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from probe.checks import UnsupportedModelError, _bidirectional, check_layers, hf_model, n_layers
+from probe.checks import (
+    UnsupportedModelError,
+    _bidirectional,
+    check_int,
+    check_integers,
+    check_layers,
+    hf_model,
+    n_layers,
+)
 
 IMPLEMENTATION = "longprobe"
 HOOK_NAMES = {
@@ -494,6 +502,9 @@ def _visible_keys(hidden: torch.Tensor, batch_size: int, kv_end: int, device) ->
     """Mask function: key ``kv`` is visible to query ``q`` unless hidden (a hidden key still sees itself)."""
     if hidden.shape[0] not in (1, batch_size):
         raise ValueError(f"mask_keys got masks for {hidden.shape[0]} sequences, the forward has {batch_size}")
+    if hidden[:, kv_end:].any():
+        beyond = (hidden[:, kv_end:].any(0).nonzero().flatten() + kv_end).tolist()[:8]
+        raise IndexError(f"mask_keys hides positions {beyond} beyond the {kv_end} tokens the forward holds")
     padded = torch.zeros(batch_size, max(kv_end, hidden.shape[1]), dtype=torch.bool, device=device)
     padded[:, : hidden.shape[1]] = hidden.to(device)
 
@@ -681,7 +692,7 @@ def trace(
     inner = hf_model(model)
     chosen = check_layers(inner, layers)
     if rows is not None:
-        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        rows = check_integers(rows, "rows").reshape(-1)
         if rows.numel() == 0 or int(rows.min()) < 0:
             raise IndexError(f"rows must be non-empty, non-negative query positions, got {rows.tolist()}")
     capture = _Capture(
@@ -710,8 +721,8 @@ def ablate_heads(model, heads: Iterable[tuple[int, int]]) -> Iterator[None]:
     config = inner.config.get_text_config()
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
-        (layer,) = check_layers(inner, [layer])
-        if not 0 <= head < config.num_attention_heads:
+        (layer,) = check_layers(inner, [check_int(layer, "the layer of a (layer, head) pair")])
+        if not 0 <= check_int(head, "the head of a (layer, head) pair") < config.num_attention_heads:
             raise IndexError(f"head {head} out of range for {config.num_attention_heads} query heads a layer")
         by_layer.setdefault(layer, []).append(head)
     ablation = _HeadAblation(by_layer)
@@ -732,10 +743,8 @@ def attention_window(model, window: int | None) -> Iterator[None]:
     if window is None:
         yield
         return
-    if window < 1:
-        raise ValueError(f"window must be at least 1 token, got {window}")
     inner = hf_model(model)
-    modifier = _Window(window)
+    modifier = _Window(check_int(window, "window", minimum=1))
     with _modified(inner, windows=modifier):
         yield
     _check_mask_built(inner, modifier)
@@ -752,13 +761,15 @@ def mask_keys(model, positions: Sequence[int] | torch.Tensor) -> Iterator[None]:
     seq] (True = hidden) with one mask per sequence. Works with sliding windows, GQA, KV caches
     (``generate``) and the other modifiers.
     """
-    positions = torch.as_tensor(positions)
-    if positions.dtype == torch.bool:
+    if torch.is_tensor(positions) and positions.dtype == torch.bool:
         if positions.ndim != 2:
-            raise ValueError(f"a boolean key mask must be [batch, seq], got shape {tuple(positions.shape)}")
+            raise ValueError(
+                "a boolean key mask must be [batch, seq] (True = hidden), got shape "
+                f"{tuple(positions.shape)}; for a list of positions pass integers"
+            )
         hidden = positions
     else:
-        positions = positions.long().reshape(-1)
+        positions = check_integers(positions, "key positions").reshape(-1)
         if positions.numel() and int(positions.min()) < 0:
             raise IndexError(f"key positions must be non-negative, got {positions.tolist()}")
         hidden = torch.zeros(1, int(positions.max()) + 1 if positions.numel() else 0, dtype=torch.bool)

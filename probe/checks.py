@@ -10,8 +10,11 @@ and what to do in the message.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -68,10 +71,9 @@ def n_layers(model) -> int:
 def check_layers(model, layers: Sequence[int] | None) -> list[int]:
     """``layers`` (``None`` = all; negative indices allowed) as non-negative indices, range-checked."""
     total = n_layers(model)
-    layers = list(range(total)) if layers is None else list(layers)
+    layers = list(range(total)) if layers is None else check_integers(layers, "layers").reshape(-1).tolist()
     if not layers:
         raise ValueError("layers is empty: pass None for all layers, or at least one layer index")
-    check_integers(layers, "layers")
     bad = [layer for layer in layers if not -total <= layer < total]
     if bad:
         raise IndexError(f"layers {bad} out of range for a {total}-layer model")
@@ -80,8 +82,7 @@ def check_layers(model, layers: Sequence[int] | None) -> list[int]:
 
 def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """``input_ids`` as a LongTensor[1, seq], checked against the model's context length."""
-    check_integers(input_ids, "input_ids")
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    ids = check_integers(input_ids, "input_ids")
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or ids.shape[0] != 1:
@@ -104,19 +105,61 @@ def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Ten
     return ids.to(input_device(model))
 
 
-def check_integers(values, what: str) -> None:
-    """Refuse fractional values (``3.5`` would silently become ``3``)."""
-    values = torch.as_tensor(values) if not isinstance(values, torch.Tensor) else values
-    if values.is_floating_point() and not bool((values == values.round()).all()):
-        raise TypeError(f"{what} must be integers, got {values.reshape(-1)[:8].tolist()}")
+def check_integers(values, what: str) -> torch.Tensor:
+    """``values`` (a list, a tensor) as a LongTensor, refusing what would silently change meaning: a
+    bare number or string, booleans (``True`` would act as position 1) and floats (``2.5`` as 2)."""
+    if isinstance(values, (str, bytes, int, float)) or values is None:
+        hint = f": pass [{values}]" if isinstance(values, int) and not isinstance(values, bool) else ""
+        raise TypeError(f"{what} must be a list or tensor of integers, got {values!r}{hint}")
+    if not torch.is_tensor(values) and any(isinstance(v, (bool, np.bool_)) for v in _flat(values)):
+        raise TypeError(f"{what} must be integers, got booleans {list(values)[:8]}")
+    try:
+        tensor = values if torch.is_tensor(values) else torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{what} must be a list or tensor of integers, got {values!r}") from error
+    if tensor.dtype == torch.bool:
+        raise TypeError(
+            f"{what} must be integer positions, got a boolean tensor: pass mask.nonzero().flatten() "
+            "for the positions where a mask is True"
+        )
+    if (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel():  # [] reads as float
+        raise TypeError(
+            f"{what} must be integers, got {tensor.dtype} values {tensor.reshape(-1)[:8].tolist()}"
+        )
+    return tensor.long()
+
+
+def _flat(values) -> list:
+    """The leaves of nested lists / tuples (arrays and tensors stay whole)."""
+    if isinstance(values, (list, tuple)):
+        return [leaf for value in values for leaf in _flat(value)]
+    return [values]
+
+
+def check_int(value, what: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int: an integer (not a bool, a float or a string) in ``[minimum, maximum]``."""
+    integral = isinstance(value, (int, np.integer)) or (
+        torch.is_tensor(value) and value.ndim == 0 and not value.is_floating_point()
+    )
+    if (
+        isinstance(value, (bool, np.bool_))
+        or (torch.is_tensor(value) and value.dtype == torch.bool)
+        or not integral
+    ):
+        raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        low = "" if minimum is None else f"at least {minimum}"
+        high = "" if maximum is None else f"at most {maximum}"
+        raise ValueError(f"{what} must be {' and '.join(b for b in (low, high) if b)}, got {value}")
+    return value
 
 
 def check_positions(
     positions: Sequence[int] | torch.Tensor, seq: int, what: str, minimum: int = 0
 ) -> torch.Tensor:
     """Positions as a sorted-as-given LongTensor[k], each in ``[minimum, seq)``, no repeats."""
-    check_integers(positions, what)
-    pos = torch.as_tensor(positions, dtype=torch.long).reshape(-1)
+    pos = check_integers(positions, what).reshape(-1)
     if pos.numel() == 0:
         raise ValueError(f"{what} is empty; give at least one position")
     bad = pos[(pos < minimum) | (pos >= seq)]
@@ -128,3 +171,44 @@ def check_positions(
     if pos.unique().numel() != pos.numel():
         raise ValueError(f"{what} contains repeated positions: {pos.tolist()}")
     return pos
+
+
+_FINGERPRINTS: dict[int, tuple[object, dict]] = {}
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """``{"name", "vocab_size", "vocab_hash"}`` of a tokenizer: what a sample records of the tokenizer
+    that made it (the hash: SHA-1 of its sorted vocabulary; computed once per tokenizer object)."""
+    cached = _FINGERPRINTS.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    found = {
+        "name": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
+        "vocab_size": len(tokenizer),
+        "vocab_hash": hashlib.sha1(vocab.encode()).hexdigest()[:16],
+    }
+    _FINGERPRINTS[id(tokenizer)] = (tokenizer, found)
+    return found
+
+
+def check_sample_fits(model, sample, tokenizer=None) -> None:
+    """Refuse a sample made by another tokenizer than ``tokenizer`` (its recorded fingerprint), or
+    than ``model``'s vocabulary can be (ids of one vocabulary are other words in another: a model
+    with a larger vocabulary would read them without an error). Samples built by hand carry no
+    fingerprint and pass."""
+    made = getattr(sample, "tokenizer", None)
+    if not made:
+        return
+    fix = "make the sample with this model's own tokenizer (probe.load_model returns the pair)"
+    if tokenizer is not None and tokenizer_fingerprint(tokenizer)["vocab_hash"] != made["vocab_hash"]:
+        raise ValueError(
+            f"the sample was tokenized by {made['name']} ({made['vocab_size']} tokens), not by the tokenizer "
+            f"given ({tokenizer_fingerprint(tokenizer)['name']}): {fix}"
+        )
+    rows = hf_model(model).get_input_embeddings().num_embeddings
+    if abs(rows - made["vocab_size"]) > max(1024, 0.02 * made["vocab_size"]):
+        raise ValueError(
+            f"the sample was tokenized by {made['name']} ({made['vocab_size']} tokens), but the model has "
+            f"{rows} token embeddings: {fix}"
+        )

@@ -38,7 +38,7 @@ from probe.attribution import (
 )
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.capture import frozen_parameters
-from probe.checks import check_layers, hf_model, input_device
+from probe.checks import check_layers, check_sample_fits, hf_model, input_device
 from probe.faithfulness import answer_scores, lds, random_masks, source_scores
 from probe.lrp import relevance
 from probe.objectives import critical_tokens
@@ -183,6 +183,7 @@ def register(name: str) -> Callable[[Detector], Detector]:
 
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
+            check_sample_fits(model, sample, tokenizer)
             return _on_cpu(
                 dataclasses.replace(fn(model, tokenizer, sample, **options), name=name, sample=sample)
             )
@@ -212,7 +213,24 @@ def names() -> list[str]:
 
 def options(name: str) -> list[str]:
     """The options detector ``name`` accepts (beyond model, tokenizer and sample)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
     return list(inspect.signature(_REGISTRY[name]).parameters)[3:]
+
+
+def check_detection_of(detection: Detection, sample: Sample) -> None:
+    """Refuse a detection made for another sample, or with NaN scores (they would rank as numbers)."""
+    if len(detection.scores) != len(sample.input_ids):
+        raise ValueError(
+            f"detection {detection.name!r} has {len(detection.scores)} token scores but the sample has "
+            f"{len(sample.input_ids)} tokens: it was made for another sample"
+        )
+    nan = torch.isnan(detection.scores[: sample.prompt_length].float()).nonzero().flatten()
+    if nan.numel():
+        raise ValueError(
+            f"detection {detection.name!r} has NaN scores at context positions {nan[:8].tolist()}: NaN "
+            "cannot be ranked; fix or drop the detector (a division by zero or an overflow in its scores?)"
+        )
 
 
 def detect(
@@ -298,6 +316,8 @@ def detect_many(
     layers = sorted({layer for settings in shared.values() for layer in settings.get("layers", ())})
     if "at2" in shared:  # its weights cover every head
         layers = check_layers(model, None)
+    for one in samples:
+        check_sample_fits(model, one, tokenizer)
     attributions = [None] * len(samples)
     if layers:
         ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]

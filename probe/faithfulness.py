@@ -32,7 +32,7 @@ import torch
 from scipy.stats import spearmanr
 
 from probe.capture import mask_keys, original_positions
-from probe.checks import check_input_ids, hf_model
+from probe.checks import check_input_ids, check_sample_fits, hf_model
 from probe.tasks import Sample, Source
 
 KS = (1, 2, 4, 8)
@@ -107,6 +107,7 @@ def answer_scores(
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     inner = hf_model(model)
     compact = compaction_supported(inner) if compact is None else compact
+    check_sample_fits(inner, sample)
     ids = check_input_ids(inner, sample.input_ids)
     targets = sample.target_positions.to(ids.device)
     rows, gold = targets - 1, ids[0, targets]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 from sklearn.metrics import precision_score, recall_score, roc_auc_score
 
-from probe.detectors import Detection, top_k_mask
+from probe.checks import check_int
+from probe.detectors import Detection, check_detection_of, top_k_mask
 from probe.tasks import Sample
 
 SHARE_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
@@ -27,6 +28,8 @@ def evaluate(detection: Detection, sample: Sample, top_k: int = 30) -> dict[str,
     - ``fact_hit_rate``: fraction of supporting facts with at least one token in the top-``top_k``;
     - ``n_flagged``: size of the flagged set.
     """
+    check_int(top_k, "top_k", minimum=1)
+    check_detection_of(detection, sample)
     context = sample.prompt_length
     labels = sample.categories[:context]
     labels = np.where(np.isin(labels, SHARE_CATEGORIES), labels, "other")

@@ -40,11 +40,80 @@ def test_fractional_positions_layers_or_ids_are_refused_not_truncated(tiny, call
         call(tiny)
 
 
-def test_whole_floats_still_count_as_positions(tiny):
-    assert torch.equal(
-        probe.attention_rows(tiny, torch.arange(20), torch.tensor([3.0, 7.0])),
-        probe.attention_rows(tiny, torch.arange(20), [3, 7]),
-    )
+def test_floats_and_booleans_are_not_positions(tiny):
+    """Integers only: a float tensor (even 3.0) or a boolean one (True would act as position 1)."""
+    with pytest.raises(TypeError, match="must be integers, got torch.float32 values"):
+        probe.attention_rows(tiny, torch.arange(20), torch.tensor([3.0, 7.0]))
+    with pytest.raises(TypeError, match="boolean tensor: pass mask.nonzero"):
+        probe.information_flow(tiny, torch.arange(20), torch.arange(20) == 19)
+    with pytest.raises(TypeError, match="must be integers, got booleans"):
+        probe.information_flow(tiny, torch.arange(20), [5], layers=[True])
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: probe.mask_keys(m, [2.5]), "key positions must be integers"),
+        (
+            lambda m: probe.mask_keys(m, torch.tensor([True, False])),
+            r"boolean key mask must be \[batch, seq\]",
+        ),
+        (lambda m: probe.trace(m, rows=[2.5]), "rows must be integers"),
+        (lambda m: probe.trace(m, rows=torch.tensor([True])), "rows must be integer positions"),
+        (lambda m: probe.ablate_heads(m, [(0, 1.5)]), "head of a .layer, head. pair must be an integer"),
+        (lambda m: probe.ablate_heads(m, [(True, 0)]), "layer of a .layer, head. pair must be an integer"),
+        (lambda m: probe.attention_window(m, 2.5), "window must be an integer"),
+        (lambda m: probe.attention_window(m, True), "window must be an integer, got True"),
+        (lambda m: probe.attention_window(m, 0), "window must be at least 1"),
+    ],
+)
+def test_modifiers_refuse_what_they_used_to_truncate(tiny, call, message):
+    with pytest.raises((TypeError, ValueError), match=message), call(tiny):
+        tiny(torch.arange(20)[None])
+
+
+def test_keys_beyond_the_input_and_bare_layer_numbers_are_refused(tiny):
+    with (
+        pytest.raises(IndexError, match=r"hides positions \[50\] beyond the 20 tokens"),
+        probe.mask_keys(tiny, [3, 50]),
+    ):
+        tiny(torch.arange(20)[None])
+    with pytest.raises(TypeError, match=r"layers must be a list or tensor of integers, got 1: pass \[1\]"):
+        probe.attention_rows(tiny, torch.arange(20), [3], layers=1)
+    with pytest.raises(TypeError, match="got '1'"):
+        probe.attention_rows(tiny, torch.arange(20), [3], layers="1")
+
+
+def test_a_flat_list_of_rows_for_a_batch_is_refused(tiny):
+    """Two sequences and rows [3, 4] used to mean row 3 of the first and row 4 of the second."""
+    with pytest.raises(TypeError, match=r"one list of positions per sequence \(\[\[\.\.\.\], \[\.\.\.\]\]\)"):
+        probe.attention_rows(tiny, torch.arange(40).reshape(2, 20), [3, 4])
+
+
+def test_unknown_detectors_nan_scores_and_another_samples_detection_are_refused(tiny):
+    from test_detectors import hand_sample
+    from transformers import AutoTokenizer
+
+    from probe import detectors, metrics, tasks
+    from probe.detectors import Detection
+    from probe.models import converted_folder
+
+    with pytest.raises(ValueError, match="unknown detector 'nope'; registered detectors: attention"):
+        detectors.options("nope")
+    sample = hand_sample()
+    scores = torch.rand(len(sample.input_ids))
+    scores[3] = float("nan")
+    with pytest.raises(ValueError, match=r"'mine' has NaN scores at context positions \[3\]"):
+        metrics.evaluate(Detection(scores, scores > 0.5, {}, name="mine"), sample)
+    short = torch.rand(5)
+    with pytest.raises(ValueError, match="5 token scores but the sample has 48 tokens: .* another sample"):
+        metrics.evaluate(Detection(short, short > 0.5, {}, name="mine"), sample)
+    with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
+        metrics.evaluate(Detection(scores.nan_to_num(), scores > 0.5, {}, name="mine"), sample, top_k=0)
+    with pytest.raises(ValueError, match="digits must be at least 1, got 0"):
+        tasks.make(
+            "passkey", AutoTokenizer.from_pretrained(converted_folder("smollm2-135m")), 256, seed=0, digits=0
+        )
 
 
 @pytest.mark.parametrize(
@@ -64,3 +133,29 @@ def test_files_that_are_not_ours_say_what_was_expected(tmp_path, load, name):
     for path in (text, other, listed):
         with pytest.raises(ValueError, match=rf"is not a {name} file: .*expected .*{name}"):
             load(path)
+
+
+def test_a_sample_refuses_another_tokenizer_or_a_model_of_another_vocabulary():
+    """A SmolLM2 sample (49,152 ids) fits inside Gemma 3's vocabulary (262,144): without its
+    tokenizer's fingerprint it would run on Gemma as other words, without an error."""
+    from transformers import AutoTokenizer
+
+    from probe import detectors, faithfulness, tasks
+    from probe.models import converted_folder
+    from probe.tasks import Sample
+
+    smollm2, gemma = (
+        AutoTokenizer.from_pretrained(converted_folder(n)) for n in ("smollm2-135m", "gemma3-270m")
+    )
+    sample = tasks.make("multihop-1", smollm2, 160, seed=0)
+    assert sample.tokenizer["vocab_size"] == len(smollm2)
+    assert Sample.from_dict(json.loads(json.dumps(sample.to_dict()))).tokenizer == sample.tokenizer
+    wide = probe.tiny_model("llama", vocab_size=len(gemma))
+    with pytest.raises(ValueError, match=r"tokenized by .*smollm2-135m \(49152 tokens\), but the model has 262"):
+        detectors.detect("attention", wide, smollm2, sample)
+    with pytest.raises(
+        ValueError, match="not by the tokenizer given .*: make the sample with this model's own"
+    ):
+        detectors.detect("recency", probe.tiny_model("llama", vocab_size=len(smollm2)), gemma, sample)
+    with pytest.raises(ValueError, match="but the model has 262"):
+        faithfulness.answer_scores(wide, sample, torch.zeros(1, len(sample.sources), dtype=torch.bool))

@@ -28,3 +28,22 @@ def test_quick_and_bad_settings(capsys):
     with pytest.raises(SystemExit):
         noise_restraint.parse_args(["--samples", "0"])
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_a_resume_with_other_settings_is_refused(tiny_model_folder, tmp_path, monkeypatch):
+    """Killed after its first sample, the run is resumed with other steps: the rows would mix."""
+    argv = ["--models", str(tiny_model_folder), "--length", "192", "--samples", "2", "--out", str(tmp_path)]
+    restrain = noise_restraint.restrain_sample
+
+    def killed_at_seed_1(model, tokenizer, args, seed):
+        if seed == 1:
+            raise KeyboardInterrupt
+        return restrain(model, tokenizer, args, seed)
+
+    monkeypatch.setattr(noise_restraint, "restrain_sample", killed_at_seed_1)
+    with pytest.raises(KeyboardInterrupt):
+        noise_restraint.main([*argv, "--steps", "0", "0.1"])
+    monkeypatch.setattr(noise_restraint, "restrain_sample", restrain)
+    with pytest.raises(SystemExit, match=r"steps: \[0.0, 0.1\] then, \[0.0, 0.2\] now"):
+        noise_restraint.main([*argv, "--steps", "0", "0.2", "--resume"])
+    assert len(noise_restraint.main([*argv, "--steps", "0", "0.1", "--resume"])) > 0

@@ -14,6 +14,7 @@ import re
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from probe.checks import check_int
 from probe.tasks import words
 from probe.tasks.haystack import build
 from probe.tasks.noise import noise_units
@@ -26,6 +27,7 @@ def passkey(
     tokenizer: PreTrainedTokenizerBase, settings: dict, rng: np.random.Generator, chat=None, digits: int = 5
 ) -> Sample:
     """One pass-key sentence (a ``digits``-digit number, stated twice) hidden in essay noise."""
+    digits = check_int(digits, "digits", minimum=1)
     key = str(rng.integers(10 ** (digits - 1), 10**digits))
     prompt = Prompt(
         instruction="There is an important info hidden inside a lot of irrelevant text. Find it and "
@@ -89,4 +91,3 @@ def multivalue_niah(
         for city, activity in zip(cities, local, strict=True)
     ]
     return build(tokenizer, prompt, settings, rng, noise_units(rng), facts, chat=chat)
-

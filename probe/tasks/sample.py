@@ -33,6 +33,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from probe import views
+from probe.checks import tokenizer_fingerprint
 
 CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "context", "question", "answer")
 #: The categories of the context body: each of their spans is one :class:`Source`. ``context``: a
@@ -98,7 +99,9 @@ class Sample:
     of prompt tokens (the answer starts there). ``length``, ``seed``, ``depth`` and ``options`` are
     the settings that built it. ``removed``: the sources of the full sample that :meth:`without`
     dropped from this one's text, as ``(category, index)`` in the full sample's numbering, sorted;
-    empty for a sample as rendered.
+    empty for a sample as rendered. ``tokenizer``: the fingerprint of the tokenizer that made it
+    (:func:`probe.checks.tokenizer_fingerprint`; ``None`` for a sample built by hand), which probes
+    check against the model and tokenizer they are given.
     """
 
     task: str
@@ -115,6 +118,7 @@ class Sample:
     char_spans: dict[str, list[tuple[int, int]]] = field(repr=False)
     offsets: np.ndarray = field(repr=False)
     removed: tuple[tuple[str, int], ...] = ()
+    tokenizer: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def target_positions(self) -> torch.Tensor:
@@ -265,6 +269,7 @@ class Sample:
             char_spans=char_spans,
             offsets=offsets,
             removed=tuple(sorted(removed)),
+            tokenizer=self.tokenizer,
         )
 
     @classmethod
@@ -495,6 +500,7 @@ def render(
         spans=spans,
         char_spans=built.char_spans,
         offsets=offsets,
+        tokenizer=tokenizer_fingerprint(tokenizer),
     )
 
 
