@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import shutil
 import tempfile
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -604,15 +603,6 @@ def plot_lost_in_the_middle(table: pd.DataFrame) -> plt.Figure:
 # --- driver --------------------------------------------------------------------------------------------
 
 
-class RenamedOption(argparse.Action):
-    """A deprecated option name kept one release: stores into the new option's ``dest``, with a warning."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        new = "--" + self.dest.replace("_", "-")
-        warnings.warn(f"{option_string} is deprecated; use {new}", FutureWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
-
-
 def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -630,8 +620,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser.add_argument("--n-layers", type=int, nargs="+", help="network sizes (layers) without residual")
     parser.add_argument("--residual-n-layers", type=int, nargs="+", help="network sizes with residual")
     parser.add_argument("--pool", type=int, help="pre-drawn training batches per seed (--steps: no repeats)")
-    for old, new in (("--depths", "n_layers"), ("--residual-depths", "residual_n_layers")):
-        parser.add_argument(old, dest=new, type=int, nargs="+", action=RenamedOption, help=argparse.SUPPRESS)
     parser.add_argument("--models", nargs="*", help="real models (none: skip the real-model part)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: best on a shared CPU)")

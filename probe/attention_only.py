@@ -26,7 +26,6 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
-from probe.deprecation import renamed_arguments
 from probe.graph import causal_mask
 from probe.tasks.classification import Batch, InContextClassification
 
@@ -38,7 +37,7 @@ ENCODINGS = ("none", "sin", "rope")
 class SANConfig:
     """One attention-only network; defaults are the paper's (d = 64, 32 labels, decay γ = 0.8).
 
-    ``n_layers`` is the network's number of attention layers (``layers=`` is its deprecated old name).
+    ``n_layers`` is the network's number of attention layers.
     """
 
     n_layers: int = 2
@@ -58,9 +57,6 @@ class SANConfig:
             raise ValueError(f"pe must be one of {ENCODINGS}, got {self.pe!r}")
         if self.n_layers < 1:
             raise ValueError(f"n_layers must be at least 1, got {self.n_layers}")
-
-
-SANConfig.__init__ = renamed_arguments(layers="n_layers")(SANConfig.__init__)
 
 
 def log_mask(config: SANConfig, seq: int) -> torch.Tensor:

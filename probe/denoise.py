@@ -18,7 +18,6 @@ import torch
 from probe.attribution import embedding_grads
 from probe.capture import frozen_parameters, target_loss, trace
 from probe.checks import check_layers, hf_model
-from probe.deprecation import renamed_arguments
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.tasks import CATEGORIES, Sample
 
@@ -129,7 +128,6 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-@renamed_arguments(targets="target_positions")
 def answer_attention(
     model,
     input_ids: torch.Tensor,

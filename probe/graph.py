@@ -40,7 +40,6 @@ from torch import nn
 from probe.attribution import attention_matrices
 from probe.capture import frozen_parameters
 from probe.checks import UnsupportedModelError, check_input_ids, check_layers, hf_model, n_layers
-from probe.deprecation import renamed_arguments
 
 Mix = float | str | None
 
@@ -142,7 +141,6 @@ def measured_mix(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor
     return torch.stack(ratios)
 
 
-@renamed_arguments(depths="layers")
 @torch.no_grad()
 def context_selector(
     model,
@@ -156,10 +154,9 @@ def context_selector(
 
     Row ``i`` of ``P^(t)`` is ``P^(t)(z_i = j)`` (Wu et al. eq. 4): the weight of token ``j`` in what
     token ``i`` holds after layer ``t`` (0-based, so ``t + 1`` layers). ``layers`` are layer indices
-    (``None``: every layer; negative counts from the last, as in :func:`probe.checks.check_layers`;
-    ``depths=`` is its deprecated old name). ``R^(t)`` is ``A^(t)`` for ``mix=None``,
-    ``(1 − λ) I + λ A^(t)`` for a float ``mix=λ`` (0.5: attention rollout) and
-    ``(1 − λ_t) I + λ_t A^(t)`` with λ_t from :func:`measured_mix` for ``mix="measured"``.
+    (``None``: every layer; negative counts from the last, as in :func:`probe.checks.check_layers`).
+    ``R^(t)`` is ``A^(t)`` for ``mix=None``, ``(1 − λ) I + λ A^(t)`` for a float ``mix=λ`` (0.5: attention
+    rollout) and ``(1 − λ_t) I + λ_t A^(t)`` with λ_t from :func:`measured_mix` for ``mix="measured"``.
     ``heads="mean"`` averages each layer's heads; an int follows that head in every layer.
     Layers are streamed from :func:`probe.attention_matrices`; the product is kept in float64.
     """
@@ -214,7 +211,6 @@ def rope_attention(n: int, theta: float, r2: float) -> torch.Tensor:
     return scores.softmax(-1)
 
 
-@renamed_arguments(layers="n_layers")
 def selector_rows(
     attention: torch.Tensor, n_layers: int, mix: float | Sequence[float] | torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -238,7 +234,6 @@ def selector_rows(
     return torch.stack(rows)
 
 
-@renamed_arguments(layers="n_layers")
 def cesaro_exact_row(n: int, n_layers: int) -> list[Fraction]:
     """Exact query row of ``M^L`` (Cesàro matrix, L = ``n_layers``), as fractions over ``j = 1 … n``.
 
@@ -254,7 +249,6 @@ def cesaro_exact_row(n: int, n_layers: int) -> list[Fraction]:
     ]
 
 
-@renamed_arguments(layers="n_layers")
 def decay_closed_form(n: int, n_layers: int, m: float) -> torch.Tensor:
     """Negative-binomial query row ``(1 − q)^L C(L − 1 + x, x) q^x`` (``q = e^{−m}``, ``x = n − j``): [n].
 
@@ -271,7 +265,6 @@ def decay_closed_form(n: int, n_layers: int, m: float) -> torch.Tensor:
     return (n_layers * torch.log1p(-q) + log_binomial + x * torch.log(q)).exp()
 
 
-@renamed_arguments(layers="n_layers")
 def rope_closed_form(n: int, n_layers: int, theta: float, r2: float) -> torch.Tensor:
     """Query row as the ``L``-fold (``L = n_layers``) convolution of the one-layer RoPE kernel: Tensor[n].
 

@@ -28,7 +28,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from probe.checks import check_input_ids, check_positions, hf_model
-from probe.deprecation import renamed_arguments
 
 __all__ = [
     "BATCH_TOKENS",
@@ -81,7 +80,6 @@ def _head_logprobs(
     return logits.gather(-1, target_ids[:, None])[:, 0] - norm, logits.max(-1).values - norm
 
 
-@renamed_arguments(targets="target_ids")
 def target_logprobs(model, hidden: torch.Tensor, target_ids: torch.Tensor) -> LogProbs:
     """Log-probabilities of ``target_ids`` [rows] from final hidden states [rows, hidden], in row chunks.
 
@@ -108,7 +106,6 @@ def _scattered(scores: LogProbs, target_positions: torch.Tensor, seq: int) -> Lo
     return LogProbs(*full)
 
 
-@renamed_arguments(positions="target_positions")
 @torch.no_grad()
 def long_logprobs(
     model, input_ids: torch.Tensor | Sequence[int], target_positions: Sequence[int] | None = None
@@ -150,7 +147,6 @@ def short_context_blocks(seq: int, K: int, d: int, official: bool = False) -> li
     return [(start - K, start, min(start + d, seq)) for start in range(first, seq, d)]
 
 
-@renamed_arguments(positions="target_positions")
 @torch.no_grad()
 def short_logprobs(
     model,

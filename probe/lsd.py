@@ -20,8 +20,6 @@ corpus-level LongPPL is defined. LongCE (eqs. 6–7) is in :mod:`probe.objective
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -34,7 +32,6 @@ from transformers import PreTrainedTokenizerBase
 
 from probe import alignment, logprobs
 from probe.checks import hf_model
-from probe.deprecation import renamed_arguments
 from probe.results import read_json, write_json
 
 __all__ = [
@@ -50,7 +47,6 @@ __all__ = [
 ]
 
 
-@renamed_arguments(positions="target_positions")
 def lsd_scores(
     model,
     input_ids: torch.Tensor | Sequence[int],
@@ -397,36 +393,3 @@ def pool_longppl(results: Sequence[LongPPLResult]) -> LongPPLResult:
         key_spans=[],
         settings=settings | {"documents": sum(r.settings.get("documents", 1) for r in results)},
     )
-
-
-# --------------------------------------------------------------------------- moved names
-
-_MOVED = {
-    **dict.fromkeys(
-        (
-            "BATCH_TOKENS",
-            "HEAD_CHUNK_ELEMENTS",
-            "LogProbs",
-            "final_hidden_states",
-            "long_logprobs",
-            "short_context_blocks",
-            "short_logprobs",
-            "target_logprobs",
-        ),
-        "probe.logprobs",
-    ),
-    **dict.fromkeys(("character_runs", "decoded_offsets", "encode", "transfer_to_tokens"), "probe.alignment"),
-    **dict.fromkeys(("longce_loss", "longce_weights"), "probe.objectives"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    """Names that moved out of this module keep working one release, with a ``DeprecationWarning``."""
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"probe.lsd.{name} moved to {_MOVED[name]}.{name}; the old path will be removed in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(_MOVED[name]), name)

@@ -14,7 +14,6 @@ Tensor[heads, 1, kv] per layer — O(layers·heads·seq) memory, as in Wu et al.
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,22 +32,14 @@ THRESHOLD = 0.1  # Wu et al.: a head that copies at least 10% of the needle is a
 TOP = 10  # LOGO App. B: the model's retrieval score is the mean of its top-10 retrieval heads
 
 
-def needle_answer_positions(sample: Sample, tokenizer=None) -> list[torch.Tensor]:
+def needle_answer_positions(sample: Sample) -> list[torch.Tensor]:
     """Token positions of each occurrence of the gold answer inside the supporting spans (the needles).
 
     One LongTensor per occurrence (a passkey needle states its key twice; LOGO's multi-value
     needles each hold the shared value). Found by exact character match of ``sample.answer``
     in the recorded needle text, mapped to tokens through ``sample.offsets``: a token counts if
-    it overlaps the answer's characters. (``tokenizer`` is deprecated and ignored: no tokenizer is
-    needed.)
+    it overlaps the answer's characters.
     """
-    if tokenizer is not None:
-        warnings.warn(
-            "needle_answer_positions(sample, tokenizer) is deprecated: the tokenizer is no longer needed "
-            "and will be refused in the next release; call needle_answer_positions(sample)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
     offsets = torch.from_numpy(sample.offsets)
     occurrences = []
     for start, end in sample.char_spans["supporting"]:

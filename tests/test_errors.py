@@ -151,7 +151,7 @@ def test_a_sample_refuses_another_tokenizer_or_a_model_of_another_vocabulary():
     assert sample.tokenizer["vocab_size"] == len(smollm2)
     assert Sample.from_dict(json.loads(json.dumps(sample.to_dict()))).tokenizer == sample.tokenizer
     wide = probe.tiny_model("llama", vocab_size=len(gemma))
-    with pytest.raises(ValueError, match=r"tokenized by .*smollm2-135m \(49152 tokens\), but the model has 262"):
+    with pytest.raises(ValueError, match=r"smollm2-135m \(49152 tokens\), but the model has 262"):
         detectors.detect("attention", wide, smollm2, sample)
     with pytest.raises(
         ValueError, match="not by the tokenizer given .*: make the sample with this model's own"

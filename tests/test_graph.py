@@ -43,16 +43,6 @@ def test_selected_layers_and_one_head(tiny):
     torch.testing.assert_close(streamed, dense[[1, 0, -1]], atol=1e-6, rtol=1e-5)
 
 
-def test_depths_is_the_deprecated_name_of_layers():
-    model = probe.tiny_model("llama")
-    ids = torch.arange(9)
-    with pytest.warns(DeprecationWarning, match=r"context_selector\(depths=...\) is deprecated.*layers="):
-        old = probe.context_selector(model, ids, depths=[2, 0])
-    assert old.equal(probe.context_selector(model, ids, layers=[2, 0]))
-    with pytest.raises(TypeError, match="both depths="):
-        probe.context_selector(model, ids, depths=[0], layers=[0])
-
-
 def direct_measured_mix(model, ids: torch.Tensor) -> torch.Tensor:
     """The pre-generic computation: hooks on ``get_decoder().layers[t]`` and its ``self_attn``: [L]."""
     layers = model.get_decoder().layers
@@ -216,24 +206,6 @@ def test_residual_mix_and_in_place_product():
     torch.testing.assert_close(product, attention @ attention)
     with pytest.raises(ValueError, match="not causal"):
         graph.multiply_in_place(product, attention.T.contiguous(), block_size=3)
-
-
-@pytest.mark.parametrize(
-    ("function", "args"),
-    [
-        (graph.selector_rows, (graph.cesaro(8),)),
-        (graph.cesaro_exact_row, (8,)),
-        (graph.decay_closed_form, (8,)),
-        (graph.rope_closed_form, (8,)),
-    ],
-)
-def test_layers_is_the_deprecated_name_of_n_layers(function, args):
-    extra = {"m": 0.5} if function is graph.decay_closed_form else {}
-    extra |= {"theta": 0.02, "r2": 20.0} if function is graph.rope_closed_form else {}
-    with pytest.warns(DeprecationWarning, match=r"\(layers=...\) is deprecated.*n_layers="):
-        old = function(*args, layers=3, **extra)
-    new = function(*args, n_layers=3, **extra)
-    assert old == new if isinstance(new, list) else old.equal(new)
 
 
 # --- sinks ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import probe
-from probe import logprobs, lsd
+from probe import logprobs
 
 SEQ = 48
 
@@ -68,23 +68,3 @@ def test_target_positions_without_a_short_context_score_nan(tiny, ids):
     assert scores.target.isnan().all() and scores.top.isnan().all()
     some = logprobs.short_logprobs(tiny, ids, K=12, d=4, target_positions=[3, 20])
     assert some.target.isfinite().sum() >= 1 and some.target[3].isnan()
-
-
-def test_old_keyword_positions_still_works_and_warns():
-    model = probe.tiny_model("llama")
-    ids = torch.arange(1, 21)
-    for fn, options in [
-        (logprobs.long_logprobs, {}),
-        (logprobs.short_logprobs, dict(K=8, d=4)),
-        (lsd.lsd_scores, dict(K=8, d=4)),
-    ]:
-        new = fn(model, ids, **options, target_positions=[10, 15])
-        with pytest.warns(DeprecationWarning, match="target_positions"):
-            old = fn(model, ids, **options, positions=[10, 15])
-        for a, b in zip(old, new, strict=True):
-            torch.testing.assert_close(a, b, equal_nan=True)
-    hidden = logprobs.final_hidden_states(model, ids[None])[0, :-1]
-    with pytest.warns(DeprecationWarning, match="target_ids"):
-        old = logprobs.target_logprobs(model, hidden, targets=ids[1:])
-    for a, b in zip(old, logprobs.target_logprobs(model, hidden, ids[1:]), strict=True):
-        torch.testing.assert_close(a, b)

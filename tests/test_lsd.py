@@ -10,7 +10,7 @@ from test_logprobs import SEQ, full_logprobs, random_ids, truncated_logprob
 from transformers import AutoTokenizer
 
 import probe
-from probe import alignment, logprobs, lsd
+from probe import logprobs, lsd
 from probe.models import converted_folder
 from probe.objectives import longce_loss, longce_weights
 
@@ -214,18 +214,6 @@ def test_longppl_result_frame_and_round_trip(tmp_path):
     assert frame.n_key_spans[0] == 2 and frame.evaluator[0] == "gemma3-270m" and frame.K[0] == 8
     result.save(tmp_path / "result.json")
     assert lsd.LongPPLResult.load(tmp_path / "result.json") == result
-
-
-def test_moved_names_still_import_from_lsd_and_warn():
-    moved = [("long_logprobs", logprobs), ("HEAD_CHUNK_ELEMENTS", logprobs), ("encode", alignment)]
-    for name, module in moved:
-        with pytest.warns(DeprecationWarning, match=f"probe.lsd.{name} moved to {module.__name__}.{name}"):
-            assert getattr(lsd, name) is getattr(module, name)
-    with pytest.warns(DeprecationWarning, match="moved to probe.objectives"):
-        from probe.lsd import longce_weights as old
-    assert old is longce_weights
-    with pytest.raises(AttributeError):
-        lsd.no_such_name  # noqa: B018
 
 
 # --------------------------------------------------------------------------- attention windows

@@ -84,11 +84,8 @@ def test_bad_config():
         SANConfig(n_layers=0)
 
 
-def test_layers_is_the_deprecated_name_of_n_layers():
-    with pytest.warns(DeprecationWarning, match=r"\(layers=...\) is deprecated.*n_layers="):
-        config = SANConfig(layers=4, mask="decay")
-    assert config == SANConfig(n_layers=4, mask="decay")
-    assert len(AttentionOnly(config).qkv) == 4
+def test_n_layers_sets_the_number_of_attention_layers():
+    assert len(AttentionOnly(SANConfig(n_layers=4, mask="decay")).qkv) == 4
 
 
 @pytest.fixture
@@ -103,7 +100,7 @@ def one_thread():
 def test_training_lowers_the_loss(one_thread):
     torch.manual_seed(0)
     task = InContextClassification(Config(classes=64), seed=0)
-    model = AttentionOnly(SANConfig(layers=2, residual=True))
+    model = AttentionOnly(SANConfig(n_layers=2, residual=True))
     losses = train(model, task, steps=60, batch_size=64, lr=3e-3, data=task.batch(64 * 20))
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.2
     assert not model.training

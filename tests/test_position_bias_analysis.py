@@ -38,14 +38,9 @@ def test_options_override_the_preset():
     assert position_bias.parse_args([])[0] == position_bias.PRESETS["quick"]
 
 
-def test_old_depth_options_still_work():
-    with pytest.warns(FutureWarning) as record:
-        preset, _ = position_bias.parse_args(["--depths", "3", "--residual-depths", "4", "5"])
+def test_layer_options():
+    preset, _ = position_bias.parse_args(["--n-layers", "3", "--residual-n-layers", "4", "5"])
     assert (preset.n_layers, preset.residual_n_layers) == ((3,), (4, 5))
-    assert [str(w.message) for w in record] == [
-        "--depths is deprecated; use --n-layers",
-        "--residual-depths is deprecated; use --residual-n-layers",
-    ]
 
 
 def test_the_study_is_a_sweep_that_resumes_with_the_same_numbers(tmp_path):

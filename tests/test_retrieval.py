@@ -36,16 +36,13 @@ def test_needle_answer_positions_decode_to_the_answer(tokenizer):
         assert tokenizer.decode(sample.input_ids[positions]).strip() == sample.answer
 
 
-def test_needle_answer_positions_read_the_sample_offsets_and_warn_about_a_tokenizer(tokenizer):
+def test_needle_answer_positions_read_the_sample_offsets(tokenizer):
     sample = tasks.make("multivalue-niah", tokenizer, 200, seed=2, needles=3)
     occurrences = needle_answer_positions(sample)
     assert len(occurrences) == 3  # every city needle holds the shared activity
     for positions, (start, end) in zip(occurrences, sample.spans["supporting"], strict=True):
         assert start <= positions.min() and positions.max() < end
         assert tokenizer.decode(sample.input_ids[positions]).strip() == sample.answer
-    with pytest.warns(DeprecationWarning, match="no longer needed"):
-        old = needle_answer_positions(sample, tokenizer)
-    assert all(torch.equal(a, b) for a, b in zip(old, occurrences, strict=True))
 
 
 def test_needle_answer_positions_refuse_a_needle_without_its_answer(tokenizer):
