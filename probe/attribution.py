@@ -19,7 +19,7 @@ import torch
 
 from probe.batch import Batch, batch_loss, batch_of, is_batch
 from probe.capture import bias_keys, frozen_parameters, trace
-from probe.checks import check_input_ids, check_layers, check_positions, hf_model, input_device
+from probe.checks import check_input_ids, check_int, check_layers, check_positions, hf_model, input_device
 from probe.planner import available_memory, guarded
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
@@ -335,6 +335,8 @@ def key_removal_gradient(
     input_ids: torch.Tensor | Sequence[int],
     target_positions: Sequence[int],
     checkpoint: bool | str = "auto",
+    depth: float = 0.0,
+    steps: int = 1,
 ) -> torch.Tensor:
     """∂ log P(answer) / ∂b_j at b = 0, where b_j is added to the attention logit of key j from every
     later query, in every layer and head (:func:`probe.capture.bias_keys`): Tensor[seq].
@@ -347,7 +349,19 @@ def key_removal_gradient(
     checkpointing every layer keeps its own. ``checkpoint="auto"`` recomputes one layer at a time
     when those matrices of all layers (fp32 probabilities and their gradients) would take more than
     half the free memory; the rest is planned as for :func:`embedding_grads`.
+
+    ``depth > 0``: the gradient integrated along the path that lowers every key's bias together from
+    0 to −``depth`` (integrated gradients on the key biases, midpoint rule over ``steps`` points):
+    ``depth · mean_k ∂ log P/∂b_j`` at ``b = −(k + ½)/steps · depth``. The scores then add up to
+    log P(answer) − log P(answer | every bias −``depth``) (completeness, to the rule's error): the
+    removal effect shared out along the way rather than its slope at the start. ``steps`` passes.
     """
+    depth = float(depth)
+    if not depth >= 0:
+        raise ValueError(f"depth must be a bias depth >= 0 (0: the gradient at b = 0), got {depth}")
+    steps = check_int(steps, "steps", minimum=1)
+    if depth == 0 and steps != 1:
+        raise ValueError("steps > 1 needs depth > 0: the gradient at b = 0 is one pass")
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)
     inner = hf_model(model)
@@ -357,12 +371,12 @@ def key_removal_gradient(
         matrices = 8 * config.num_hidden_layers * config.num_attention_heads * seq**2
         free = available_memory(input_device(inner))
         checkpoint = free is None or matrices > free / 2
-    bias = torch.zeros(1, seq, device=ids.device, requires_grad=True)
-    with (
-        guarded(model, seq, "embedding_grads", checkpoint, len(targets)),
-        frozen_parameters(inner),
-        torch.enable_grad(),
-        bias_keys(inner, bias),
-    ):
-        (grad,) = torch.autograd.grad(answer_logprob(inner, ids, targets), bias)
-    return grad[0].detach().float().cpu()
+    total = torch.zeros(seq, device=ids.device)
+    with guarded(model, seq, "embedding_grads", checkpoint, len(targets)), frozen_parameters(inner):
+        for point in range(steps):
+            value = -(point + 0.5) / steps * depth if depth else 0.0
+            bias = torch.full((1, seq), value, device=ids.device, requires_grad=True)
+            with torch.enable_grad(), bias_keys(inner, bias):
+                (grad,) = torch.autograd.grad(answer_logprob(inner, ids, targets), bias)
+            total += grad[0].detach().float()
+    return (total / steps * (depth or 1.0)).cpu()

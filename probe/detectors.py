@@ -489,15 +489,16 @@ def _from_attribution(
     return {"attention": _attention_from, "fr": _fact_retrieval_from}[name](pattern, sample, **settings)
 
 
-def _additive(scores: torch.Tensor, sample: Sample, top_k: int) -> Detection:
+def _additive(scores: torch.Tensor, sample: Sample, top_k: int, **settings) -> Detection:
     """A detection from per-token first-order effects that add up over a source: each source's score
-    is the sum over its tokens (``details["source_scores"]``); flags the ``top_k`` context tokens."""
+    is the sum over its tokens (``details["source_scores"]``); flags the ``top_k`` context tokens.
+    ``settings``: the detector's other options, recorded."""
     scores = scores.detach().float().cpu()
     source_scores = torch.stack([scores[source.start : source.end].sum() for source in sample.sources])
     return Detection(
         scores=scores,
         flagged=top_k_mask(scores, top_k, sample.prompt_length),
-        settings={"top_k": top_k},
+        settings={"top_k": top_k, **settings},
         details={"source_scores": source_scores},
     )
 
@@ -519,7 +520,13 @@ def grad_times_input(
 
 @register("key_removal_grad")
 def key_removal_grad(
-    model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool | str = "auto"
+    model,
+    tokenizer,
+    sample: Sample,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+    depth: float = 0.0,
+    steps: int = 1,
 ) -> Detection:
     """The key-removal gradient (:func:`probe.attribution.key_removal_gradient`): ∂ log P(answer)/∂b_j
     for a bias b_j on key j's attention logit from every later query, every layer and head, at b = 0.
@@ -527,10 +534,14 @@ def key_removal_grad(
     A first-order estimate of removing token j from every attention, indirect paths included (a
     second hop reading the first), at one forward and backward; a source scores the sum over its
     tokens (``details["source_scores"]``), its first-order removal effect. Flags the ``top_k``
-    tokens. ``checkpoint``: see :func:`~probe.attribution.key_removal_gradient`.
+    tokens. ``depth``, ``steps``: integrate the gradient along the path of every bias from 0 to
+    −``depth`` instead (``steps`` passes); ``checkpoint``: see
+    :func:`~probe.attribution.key_removal_gradient`.
     """
-    gradient = key_removal_gradient(model, sample.input_ids, sample.target_positions, checkpoint)
-    return _additive(gradient, sample, top_k)
+    gradient = key_removal_gradient(
+        model, sample.input_ids, sample.target_positions, checkpoint, depth=depth, steps=steps
+    )
+    return _additive(gradient, sample, top_k, depth=depth, steps=steps)
 
 
 @register("at2")

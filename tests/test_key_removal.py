@@ -19,11 +19,12 @@ def ids():
     return torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def eager_key_removal_gradient(model, ids, targets) -> torch.Tensor:
-    """∂ Σ log P(targets)/∂b by autograd through eager attention under hand-built additive masks
-    with b_j added to every entry (i, j), i > j: Tensor[seq]."""
-    bias = torch.zeros(SEQ, requires_grad=True)
-    later = torch.ones(SEQ, SEQ).tril(-1)
+def eager_key_removal_gradient(model, ids, targets, bias: float = 0.0) -> torch.Tensor:
+    """∂ Σ log P(targets)/∂b at b_j = ``bias`` for every j, by autograd through eager attention under
+    hand-built additive masks with b_j added to every entry (i, j), i > j: Tensor[seq]."""
+    dtype = next(model.parameters()).dtype
+    bias = torch.full((SEQ,), bias, dtype=dtype, requires_grad=True)
+    later = torch.ones(SEQ, SEQ, dtype=dtype).tril(-1)
     masks = {kind: mask + bias * later for kind, mask in explicit_masks(model, SEQ).items()}
     original = model.config._attn_implementation
     model.set_attn_implementation("eager")
@@ -102,3 +103,27 @@ def tokenizer_sample():
 
     tokenizer = AutoTokenizer.from_pretrained(probe.models.converted_folder("smollm2-135m"))
     return tokenizer, tasks.make("multihop-2", tokenizer, 300, seed=1)
+
+
+def test_the_path_integrated_key_removal_gradient_is_complete(tiny, ids):
+    """depth > 0: the midpoint rule over the biases' path from 0 to -depth, each point equal to
+    autograd through eager attention at that bias; the scores add up to the log-probability lost
+    when every bias is -depth (the rule's error shrinks with more steps)."""
+    tiny = tiny.double()
+    depth = 3.0
+
+    def logprob_at(value: float) -> float:
+        with torch.no_grad(), bias_keys(tiny, torch.full((1, SEQ), value, dtype=torch.float64)):
+            return float(answer_logprob(tiny, ids, TARGETS))
+
+    lost = logprob_at(0.0) - logprob_at(-depth)
+    errors = []
+    for steps in (2, 32):
+        got = key_removal_gradient(tiny, ids, TARGETS, depth=depth, steps=steps)
+        biases = [-(k + 0.5) / steps * depth for k in range(steps)]
+        points = [eager_key_removal_gradient(tiny, ids, TARGETS, bias=b) for b in biases]
+        assert (got - depth * torch.stack(points).mean(0)).abs().max() <= 1e-6
+        errors.append(abs(float(got.sum()) - lost))
+    assert errors[1] < errors[0] / 50 and errors[1] < 2e-3 * abs(lost) and abs(lost) > 1e-2  # O(1/steps²)
+    with pytest.raises(ValueError, match="steps > 1 needs depth > 0"):
+        key_removal_gradient(tiny, ids, TARGETS, steps=4)
