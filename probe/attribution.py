@@ -21,6 +21,7 @@ from probe.batch import Batch, batch_loss, batch_of, is_batch
 from probe.capture import bias_keys, frozen_parameters, trace
 from probe.checks import check_input_ids, check_int, check_layers, check_positions, hf_model, input_device
 from probe.planner import available_memory, guarded
+from probe.target import Target, target_value
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
 
@@ -142,11 +143,13 @@ def information_flow(
     reduce: str = "sum_then_abs",
     checkpoint: bool | str = "auto",
     attention_mask: torch.Tensor | None = None,
+    target: Target | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Information flow from each context token to the targets: Tensor[layers, seq].
 
     The IG score of CDT (seed 002, eq. 1) / the saliency of Wang et al. (2023):
-    L = mean cross-entropy of the tokens at ``target_positions``, each predicted from row t − 1.
+    L = mean cross-entropy of the tokens at ``target_positions``, each predicted from row t − 1
+    (``target``: another number about them, L = −target / k; see :mod:`probe.target`).
     Per layer l and key token i, summed over those rows r:
 
     - ``"sum_then_abs"``: Σ_r |Σ_h A_h[r, i] · ∂L/∂A_h[r, i]|  (heads combined before the abs,
@@ -173,7 +176,7 @@ def information_flow(
         torch.enable_grad(),
         trace(model, rows=batch.union - 1, layers=layers, grad=True) as cache,
     ):
-        batch_loss(model, batch).backward()
+        batch_loss(model, batch, target).backward()
     flows = [
         flow_from_pattern(
             _per_sequence(cache, "pattern", layers, batch, b),
@@ -192,6 +195,7 @@ def embedding_grads(
     inputs_embeds: torch.Tensor | None = None,
     checkpoint: bool | str = "auto",
     attention_mask: torch.Tensor | None = None,
+    target: Target | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """∂L/∂e_i for each input embedding e_i: Tensor[seq, hidden] (CDT §4.1).
 
@@ -214,7 +218,7 @@ def embedding_grads(
         else:
             embeds = _model_inputs(model, batch.input_ids, inputs_embeds)["inputs_embeds"]
         embeds = embeds.detach().requires_grad_(True)
-        (grad,) = torch.autograd.grad(batch_loss(model, batch, inputs_embeds=embeds), embeds)
+        (grad,) = torch.autograd.grad(batch_loss(model, batch, target, inputs_embeds=embeds), embeds)
     return _one_or_all([grad[b, : batch.lengths[b]] for b in range(len(batch))], single)
 
 
@@ -225,10 +229,11 @@ def embedding_grad_norms(
     p: float = 2,
     checkpoint: bool | str = "auto",
     attention_mask: torch.Tensor | None = None,
+    target: Target | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """‖∂L/∂e_i‖_p for each input embedding e_i: Tensor[seq] (CDT §4.1, the cheap IG proxy);
     one per sequence for several (see :func:`embedding_grads`)."""
-    grads = embedding_grads(model, input_ids, target_positions, None, checkpoint, attention_mask)
+    grads = embedding_grads(model, input_ids, target_positions, None, checkpoint, attention_mask, target)
     if isinstance(grads, torch.Tensor):
         return grads.norm(p=p, dim=-1)
     return [grad.norm(p=p, dim=-1) for grad in grads]
@@ -285,6 +290,7 @@ def answer_attribution(
     layers: Sequence[int] | None = None,
     checkpoint: bool | str = "auto",
     attention_mask: torch.Tensor | None = None,
+    target: Target | None = None,
 ) -> AnswerAttribution | list[AnswerAttribution]:
     """Attention rows, their gradients and the input-embedding gradients from one pass.
 
@@ -306,7 +312,7 @@ def answer_attribution(
         trace(model, rows=batch.union - 1, layers=layers, grad=True) as cache,
     ):
         embeds = inner.get_input_embeddings()(batch.input_ids).detach().requires_grad_(True)
-        batch_loss(model, batch, inputs_embeds=embeds).backward()
+        batch_loss(model, batch, target, inputs_embeds=embeds).backward()
     found = [
         AnswerAttribution(
             pattern=_per_sequence(cache, "pattern", layers, batch, b),
@@ -321,13 +327,14 @@ def answer_attribution(
     return _one_or_all(found, single)
 
 
-def answer_logprob(model, input_ids: torch.Tensor, target_positions: torch.Tensor) -> torch.Tensor:
-    """Σ_t log P(x_t | x_<t) over the tokens at ``target_positions`` (the teacher-forced answer),
-    each predicted from row t − 1 in at least fp32: a 0-d tensor. ``input_ids``: LongTensor[1, seq]
-    on the model's input device. Only the answer rows are projected to the vocabulary."""
+def answer_logprob(
+    model, input_ids: torch.Tensor, target_positions: torch.Tensor, target: Target | None = None
+) -> torch.Tensor:
+    """The target (default Σ_t log P(x_t | x_<t)) of the tokens at ``target_positions``, each
+    predicted from row t − 1 in at least fp32: a 0-d tensor. ``input_ids``: LongTensor[1, seq] on
+    the model's input device. Only the answer rows are projected to the vocabulary."""
     logits = hf_model(model)(input_ids=input_ids, use_cache=False, logits_to_keep=target_positions - 1).logits
-    logits = logits[0].to(torch.promote_types(logits.dtype, torch.float32))
-    return logits.log_softmax(-1).gather(-1, input_ids[0, target_positions, None]).sum()
+    return target_value(target, logits[0], input_ids[0, target_positions])
 
 
 def key_removal_gradient(
@@ -337,8 +344,10 @@ def key_removal_gradient(
     checkpoint: bool | str = "auto",
     depth: float = 0.0,
     steps: int = 1,
+    target: Target | None = None,
 ) -> torch.Tensor:
-    """∂ log P(answer) / ∂b_j at b = 0, where b_j is added to the attention logit of key j from every
+    """∂ log P(answer) / ∂b_j at b = 0 (``target``: of another number about the answer, see
+    :mod:`probe.target`), where b_j is added to the attention logit of key j from every
     later query, in every layer and head (:func:`probe.capture.bias_keys`): Tensor[seq].
 
     A first-order estimate of what removing token j everywhere does to the answer's log-probability
@@ -377,6 +386,6 @@ def key_removal_gradient(
             value = -(point + 0.5) / steps * depth if depth else 0.0
             bias = torch.full((1, seq), value, device=ids.device, requires_grad=True)
             with torch.enable_grad(), bias_keys(inner, bias):
-                (grad,) = torch.autograd.grad(answer_logprob(inner, ids, targets), bias)
+                (grad,) = torch.autograd.grad(answer_logprob(inner, ids, targets, target), bias)
             total += grad[0].detach().float()
     return (total / steps * (depth or 1.0)).cpu()

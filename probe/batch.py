@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from probe.checks import check_input_ids, check_integers, check_positions, hf_model, input_device
+from probe.target import Target, target_loss_of
 
 
 def is_batch(input_ids, attention_mask: torch.Tensor | None = None) -> bool:
@@ -123,8 +124,8 @@ def _sequences(input_ids, attention_mask: torch.Tensor | None) -> tuple[list[tor
     return sequences, offsets
 
 
-def batch_loss(model, batch: Batch, **forward_kwargs) -> torch.Tensor:
-    """Σ_b (mean cross-entropy of sequence b's target tokens), each predicted from row t − 1.
+def batch_loss(model, batch: Batch, target: Target | None = None, **forward_kwargs) -> torch.Tensor:
+    """Σ_b (−target / k_b of sequence b's k_b target tokens), each predicted from row t − 1.
 
     The sum of the per-sequence losses of :func:`probe.capture.target_loss`, so the gradient with
     respect to anything of sequence b is that of its own loss. Only the union of the rows t − 1 is
@@ -134,9 +135,8 @@ def batch_loss(model, batch: Batch, **forward_kwargs) -> torch.Tensor:
     if "inputs_embeds" not in forward_kwargs:
         forward_kwargs["input_ids"] = batch.input_ids
     logits = inner(use_cache=False, logits_to_keep=batch.union - 1, **forward_kwargs).logits
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     losses = [
-        torch.nn.functional.cross_entropy(logits[b, batch.index(b)], batch.input_ids[b, batch.positions[b]])
+        target_loss_of(target, logits[b, batch.index(b)], batch.input_ids[b, batch.positions[b]])
         for b in range(len(batch))
     ]
     return torch.stack(losses).sum()

@@ -54,6 +54,7 @@ from probe.checks import (
     hf_model,
     n_layers,
 )
+from probe.target import Target, target_loss_of
 
 IMPLEMENTATION = "longprobe"
 HOOK_NAMES = {
@@ -922,9 +923,14 @@ def _not_reached(inner: PreTrainedModel) -> UnsupportedModelError:
 
 
 def target_loss(
-    model, input_ids: torch.Tensor, target_positions: torch.Tensor, **forward_kwargs
+    model,
+    input_ids: torch.Tensor,
+    target_positions: torch.Tensor,
+    target: Target | None = None,
+    **forward_kwargs,
 ) -> torch.Tensor:
-    """Mean cross-entropy of the tokens at ``target_positions``, predicted from rows ``t − 1``.
+    """−target / k for the k tokens at ``target_positions``, predicted from rows ``t − 1`` (the
+    default target: their mean cross-entropy; see :mod:`probe.target`).
 
     Only the needed rows are projected to the vocabulary (``logits_to_keep``), never the
     full ``[seq, vocab]`` logits. ``forward_kwargs`` may pass ``inputs_embeds`` instead of ids.
@@ -933,5 +939,4 @@ def target_loss(
     if "inputs_embeds" not in forward_kwargs:
         forward_kwargs["input_ids"] = input_ids
     logits = inner(use_cache=False, logits_to_keep=target_positions - 1, **forward_kwargs).logits
-    logits = logits[0].to(torch.promote_types(logits.dtype, torch.float32))  # upcast half, keep double
-    return torch.nn.functional.cross_entropy(logits, input_ids[0, target_positions])
+    return target_loss_of(target, logits[0], input_ids[0, target_positions])

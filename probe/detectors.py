@@ -44,6 +44,7 @@ from probe.lrp import relevance
 from probe.objectives import critical_tokens
 from probe.planner import guarded
 from probe.results import read_json, write_json
+from probe.target import Contrast, Target, describe, target_loss_of
 from probe.tasks import Sample
 
 
@@ -184,14 +185,21 @@ def register(name: str) -> Callable[[Detector], Detector]:
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
             check_sample_fits(model, sample, tokenizer)
-            return _on_cpu(
-                dataclasses.replace(fn(model, tokenizer, sample, **options), name=name, sample=sample)
-            )
+            detection = _with_target(fn(model, tokenizer, sample, **options), options.get("target"))
+            return _on_cpu(dataclasses.replace(detection, name=name, sample=sample))
 
         _REGISTRY[name] = named
         return named
 
     return add
+
+
+def _with_target(detection: Detection, target) -> Detection:
+    """The detection with its target among its settings (as text: :func:`probe.target.describe`),
+    unless it is the default."""
+    if target is None:
+        return detection
+    return dataclasses.replace(detection, settings={**detection.settings, "target": describe(target)})
 
 
 def _on_cpu(detection: Detection) -> Detection:
@@ -318,16 +326,23 @@ def detect_many(
         layers = check_layers(model, None)
     for one in samples:
         check_sample_fits(model, one, tokenizer)
+    explaining = [name for name in shared if "target" in inspect.signature(_REGISTRY[name]).parameters]
+    given = [options.get(name, {}).get("target") for name in explaining]
+    chosen = {describe(t) if t is None or isinstance(t, Contrast) else id(t): t for t in given}
+    if len(chosen) > 1:
+        raise ValueError("the detectors of one shared pass explain one target: give each the same target=")
+    (target,) = chosen.values() if chosen else (None,)
     attributions = [None] * len(samples)
     if layers:
         ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
-        attributions = answer_attribution(model, ids, targets, layers, checkpoint)
+        attributions = answer_attribution(model, ids, targets, layers, checkpoint, target=target)
     found = []
     for one, attribution in zip(samples, attributions, strict=True):
         detections = {}
         for name in names:
             if attribution is not None and name in shared:
                 detection = _from_attribution(name, attribution, one, shared[name])
+                detection = _with_target(detection, target if name in explaining else None)
                 detections[name] = _on_cpu(dataclasses.replace(detection, name=name, sample=one))
             else:
                 detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}))
@@ -335,12 +350,16 @@ def detect_many(
     return found[0] if single else found
 
 
+# how the shared pass runs and what it explains, not what a detector reads off it
+PASS_OPTIONS = ("checkpoint", "target")
+
+
 def _settings(name: str, model, options: Mapping[str, Any]) -> dict[str, Any]:
     """Every option of detector ``name`` (``options`` over its defaults; ``layers`` checked), but
-    ``checkpoint``: how a pass runs, not what it computes."""
+    :data:`PASS_OPTIONS`."""
     bound = inspect.signature(_REGISTRY[name]).bind(model, None, None, **options)
     bound.apply_defaults()
-    settings = {key: bound.arguments[key] for key in list(bound.arguments)[3:] if key != "checkpoint"}
+    settings = {key: bound.arguments[key] for key in list(bound.arguments)[3:] if key not in PASS_OPTIONS}
     if "layers" in settings:
         settings["layers"] = check_layers(model, settings["layers"])
     if name == "at2":
@@ -414,11 +433,17 @@ def _fact_retrieval_from(pattern: torch.Tensor, sample: Sample, layers: list[int
 
 @register("embedding_grad")
 def embedding_grad(
-    model, tokenizer, sample: Sample, p: float = 2, checkpoint: bool | str = "auto"
+    model,
+    tokenizer,
+    sample: Sample,
+    p: float = 2,
+    checkpoint: bool | str = "auto",
+    target: Target | None = None,
 ) -> Detection:
     """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean.
     ``checkpoint``: see :mod:`probe.attribution`."""
-    scores = embedding_grad_norms(model, sample.input_ids, sample.target_positions, p, checkpoint)
+    ids, targets = sample.input_ids, sample.target_positions
+    scores = embedding_grad_norms(model, ids, targets, p, checkpoint, target=target)
     return _embedding_grad_from(scores, sample, p)
 
 
@@ -436,6 +461,7 @@ def information_flow(
     reduce: str = "sum_then_abs",
     top_k: int = 30,
     checkpoint: bool | str = "auto",
+    target: Target | None = None,
 ) -> Detection:
     """The IG / information-flow score (CDT eq. 1) from the answer rows, summed over ``layers``.
 
@@ -444,7 +470,7 @@ def information_flow(
     """
     layers = check_layers(model, layers)
     per_layer = information_flow_per_layer(
-        model, sample.input_ids, sample.target_positions, layers, reduce, checkpoint
+        model, sample.input_ids, sample.target_positions, layers, reduce, checkpoint, target=target
     )
     return _information_flow_from(per_layer, sample, layers, reduce, top_k)
 
@@ -505,7 +531,12 @@ def _additive(scores: torch.Tensor, sample: Sample, top_k: int, **settings) -> D
 
 @register("grad_times_input")
 def grad_times_input(
-    model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool | str = "auto"
+    model,
+    tokenizer,
+    sample: Sample,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+    target: Target | None = None,
 ) -> Detection:
     """Gradient × input on the embeddings: e_i · ∂ log P(answer)/∂e_i (Shrikumar et al. 2016), the
     first-order drop of the gold answer's log-probability when token i's embedding is zeroed.
@@ -514,7 +545,9 @@ def grad_times_input(
     (``details["source_scores"]``). From the shared pass (:func:`detect_many`) at no extra cost.
     ``checkpoint``: see :mod:`probe.attribution`.
     """
-    attribution = answer_attribution(model, sample.input_ids, sample.target_positions, [0], checkpoint)
+    attribution = answer_attribution(
+        model, sample.input_ids, sample.target_positions, [0], checkpoint, target=target
+    )
     return _additive(attribution.grad_times_input(), sample, top_k)
 
 
@@ -527,6 +560,7 @@ def key_removal_grad(
     checkpoint: bool | str = "auto",
     depth: float = 0.0,
     steps: int = 1,
+    target: Target | None = None,
 ) -> Detection:
     """The key-removal gradient (:func:`probe.attribution.key_removal_gradient`): ∂ log P(answer)/∂b_j
     for a bias b_j on key j's attention logit from every later query, every layer and head, at b = 0.
@@ -539,7 +573,7 @@ def key_removal_grad(
     :func:`~probe.attribution.key_removal_gradient`.
     """
     gradient = key_removal_gradient(
-        model, sample.input_ids, sample.target_positions, checkpoint, depth=depth, steps=steps
+        model, sample.input_ids, sample.target_positions, checkpoint, depth=depth, steps=steps, target=target
     )
     return _additive(gradient, sample, top_k, depth=depth, steps=steps)
 
@@ -552,6 +586,7 @@ def at2(
     weights: HeadWeights | str | Path | None = None,
     top_k: int = 30,
     checkpoint: bool | str = "auto",
+    target: Target | None = None,
 ) -> Detection:
     """AT2 (Cohen-Wang et al. 2025, "Learning to Attribute with Attention"): per-head weights, learned
     from this toolkit's ablations (:mod:`probe.at2`), on the answer rows' attention mass and saliency.
@@ -561,7 +596,9 @@ def at2(
     ``python -m analyses.learn_head_weights``). One forward+backward pass over every layer, shared
     with the attention family in :func:`detect_many`. A source scores the sum over its tokens.
     """
-    attribution = answer_attribution(model, sample.input_ids, sample.target_positions, None, checkpoint)
+    attribution = answer_attribution(
+        model, sample.input_ids, sample.target_positions, None, checkpoint, target=target
+    )
     return _at2_from(attribution, sample, HeadWeights.for_model(model, weights), top_k)
 
 
@@ -590,6 +627,7 @@ def integrated_gradients(
     internal_batch_size: int = 4,
     top_k: int = 30,
     checkpoint: bool | str = "auto",
+    target: Target | None = None,
 ) -> Detection:
     """captum ``LayerIntegratedGradients`` on the embedding layer.
 
@@ -609,8 +647,8 @@ def integrated_gradients(
 
     def answer_log_prob(batch_ids: torch.Tensor) -> torch.Tensor:
         logits = inner(input_ids=batch_ids, use_cache=False, logits_to_keep=targets - 1).logits.float()
-        answer = ids[0, targets].expand(len(batch_ids), -1)  # fixed: the baseline's ids are pads
-        return logits.log_softmax(-1).gather(-1, answer[..., None]).squeeze(-1).mean(-1)
+        answer = ids[0, targets]  # fixed: the baseline's ids are pads
+        return torch.stack([-target_loss_of(target, one, answer) for one in logits])
 
     batch = min(internal_batch_size, n_steps)
     with (
@@ -729,6 +767,7 @@ def leave_one_out(
     rank_by: str = "key_removal_grad",
     block: int = 1,
     refine: int = 4,
+    target: Target | None = None,
 ) -> Detection:
     """Leave-one-out: a source's score is ``lp(full) − lp(without it)``, the drop of the gold answer's
     log-probability when it is removed (:func:`probe.faithfulness.answer_scores`), one pass per source.
@@ -761,10 +800,11 @@ def leave_one_out(
         "refine": refine,
     }
     if top_m is not None:
-        cheap = detect(rank_by, model, tokenizer, sample).source_scores(sample)
+        ranking = {"target": target} if "target" in options(rank_by) else {}
+        cheap = detect(rank_by, model, tokenizer, sample, **ranking).source_scores(sample)
         chosen = torch.argsort(-cheap, stable=True)[: min(top_m, n_sources)]
         logprob = answer_scores(
-            model, sample, torch.cat([none, _single(chosen, n_sources)]), reuse_prefix
+            model, sample, torch.cat([none, _single(chosen, n_sources)]), reuse_prefix, target=target
         ).logprob
         drops = logprob[0] - logprob[1:]
         scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
@@ -777,19 +817,18 @@ def leave_one_out(
         blocks = torch.zeros(len(starts), n_sources, dtype=torch.bool)
         for row, first in enumerate(starts.tolist()):
             blocks[row, first : first + block] = True
-        coarse = answer_scores(model, sample, torch.cat([none, blocks]), reuse_prefix).logprob
+        coarse = answer_scores(model, sample, torch.cat([none, blocks]), reuse_prefix, target=target).logprob
         block_drops = coarse[0] - coarse[1:]
         refined = torch.argsort(-block_drops, stable=True)[:refine]
         chosen = blocks[refined].any(0).nonzero()[:, 0]
-        fine = answer_scores(model, sample, _single(chosen, n_sources), reuse_prefix).logprob
+        fine = answer_scores(model, sample, _single(chosen, n_sources), reuse_prefix, target=target).logprob
         effect = (blocks.float() * (block_drops / blocks.sum(1))[:, None]).sum(0)
         effect[chosen] = coarse[0] - fine
         measured, passes = blocks[refined].any(0), len(coarse) + len(fine)
         logprob = coarse
     else:
-        logprob = answer_scores(
-            model, sample, torch.cat([none, _single(torch.arange(n_sources), n_sources)]), reuse_prefix
-        ).logprob
+        everyone = torch.cat([none, _single(torch.arange(n_sources), n_sources)])
+        logprob = answer_scores(model, sample, everyone, reuse_prefix, target=target).logprob
         effect, measured, passes = (
             logprob[0] - logprob[1:],
             torch.ones(n_sources, dtype=torch.bool),
@@ -824,6 +863,7 @@ def context_cite(
     alpha: float = 0.01,
     holdout: float = 0.25,
     seed: int = 1,
+    target: Target | None = None,
 ) -> Detection:
     """ContextCite's surrogate (Cohen-Wang et al. 2024): key-mask random subsets of the sources (each
     kept with probability ``keep``), fit a sparse linear model (scikit-learn LASSO, ``alpha``, on
@@ -842,7 +882,7 @@ def context_cite(
 
     n_sources = len(sample.sources)
     kept = random_masks(n_sources, n_masks, keep, seed)
-    logprob = answer_scores(model, sample, ~kept).logprob
+    logprob = answer_scores(model, sample, ~kept, target=target).logprob
     n_fit = n_masks - max(1, round(holdout * n_masks))
     scaler = StandardScaler().fit(kept[:n_fit].double().numpy())
     lasso = Lasso(alpha=alpha).fit(scaler.transform(kept[:n_fit].double().numpy()), logprob[:n_fit].numpy())

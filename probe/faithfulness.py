@@ -33,6 +33,7 @@ from scipy.stats import spearmanr
 
 from probe.capture import mask_keys, original_positions
 from probe.checks import check_input_ids, check_sample_fits, hf_model
+from probe.target import Target, target_value
 from probe.tasks import Sample, Source
 
 KS = (1, 2, 4, 8)
@@ -84,8 +85,10 @@ def answer_scores(
     reuse_prefix: bool = True,
     batch_size: int = 1,
     compact: bool | None = None,
+    target: Target | None = None,
 ) -> AnswerScores:
-    """The gold answer's log-probability with the sources flagged in ``removed`` removed.
+    """The gold answer's log-probability (``target``: another number about it, see
+    :mod:`probe.target`) with the sources flagged in ``removed`` removed.
 
     ``removed``: BoolTensor[masks, sources] (True = removed), over ``sample.sources``, which must lie
     before the answer. With ``reuse_prefix`` the unmasked prefix is run once, in order of each pass's
@@ -133,8 +136,7 @@ def answer_scores(
             past.batch_repeat_interleave(len(batch))
         run = _compacted_pass if compact else _masked_pass
         logits = run(inner, ids, hidden[batch], first, past, rows)  # [batch, answer, vocab]
-        logprobs = logits.log_softmax(-1).gather(-1, gold.expand(len(batch), -1)[..., None])[..., 0]
-        logprob[batch] = logprobs.sum(-1).cpu()
+        logprob[batch] = torch.stack([target_value(target, one, gold) for one in logits]).cpu()
         correct[batch] = (logits.argmax(-1) == gold).all(-1).cpu()
     return AnswerScores(logprob, correct)
 
@@ -218,13 +220,14 @@ def evaluate(
     reuse_prefix: bool = True,
     batch_size: int = 1,
     compact: bool | None = None,
+    target: Target | None = None,
 ) -> pd.DataFrame:
     """Faithfulness of several source scorings of one sample, one row per scorer.
 
     ``scores``: name → Tensor[sources] (see :func:`source_scores`). Every scorer is judged on the
     same ablations: removing / keeping its top-k sources for k in ``ks`` and ``n_masks`` random
     masks (each source kept with probability ``keep``, seeded) for LDS. Identical masks run once, as
-    :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``).
+    :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``, ``target``).
     Columns: ``scorer``, ``full_logprob``, ``full_correct``, ``comprehensiveness_k{k}``,
     ``sufficiency_k{k}``, ``correct_removed_k{k}``, ``correct_kept_k{k}``, ``aopc_comprehensiveness``,
     ``aopc_sufficiency``, ``lds``, ``n_sources``.
@@ -256,7 +259,7 @@ def evaluate(
         masks[f"{name}/kept"] = ~top
     unique, where = torch.cat(list(masks.values())).unique(dim=0, return_inverse=True)
     compact = compaction_supported(model) if compact is None else compact
-    results = answer_scores(model, sample, unique, reuse_prefix, batch_size, compact)
+    results = answer_scores(model, sample, unique, reuse_prefix, batch_size, compact, target)
     bounds = np.cumsum([0] + [len(m) for m in masks.values()])
     lookup = {
         key: AnswerScores(results.logprob[where[a:b]], results.correct[where[a:b]])

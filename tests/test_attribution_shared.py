@@ -93,9 +93,12 @@ def test_detect_many_shares_one_pass_over_the_union_of_layers(story, tokenizer, 
     }
     expected = {name: probe.detect(name, model, tokenizer, sample, **options[name]) for name in options}
     passes = []
-    monkeypatch.setattr(
-        detectors, "answer_attribution", lambda *args: passes.append(args[3]) or answer_attribution(*args)
-    )
+
+    def counted(*args, **kwargs):
+        passes.append(args[3])
+        return answer_attribution(*args, **kwargs)
+
+    monkeypatch.setattr(detectors, "answer_attribution", counted)
     forwards = []
     hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     try:

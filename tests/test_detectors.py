@@ -290,5 +290,5 @@ def test_lsd_detector_flags_by_the_key_token_rule(story, tokenizer):
 
 
 def test_options_lists_what_a_detector_accepts():
-    assert detectors.options("embedding_grad") == ["p", "checkpoint"]
+    assert detectors.options("embedding_grad") == ["p", "checkpoint", "target"]
     assert "top_k" in detectors.options("attention") and "top_k" not in detectors.options("lsd")

@@ -1,0 +1,82 @@
+"""The target: the one number about the answer that every gradient probe explains and every ablation
+measures, written once.
+
+A target maps the answer rows' logits to a number: ``logits`` Tensor[k, vocab] (row t − 1 for each of
+the k teacher-forced answer tokens t, at least fp32) and ``answer`` LongTensor[k] (those tokens) → a
+0-d tensor, higher = more of what is explained. Every probe takes it as ``target=``:
+
+- ``None`` (the default): :func:`answer_logprob`, Σ_t log p(x_t | x_<t), the answer's log-probability;
+- :class:`Contrast` (``target=Contrast(foil)``): log p(answer) − log p(foil), for a foil answer of the
+  same token length scored at the same rows — "why this answer rather than that one" (e.g. the
+  interference fact's answer against the supported one), where the plain target asks "why any of it";
+- any callable ``(logits, answer) -> 0-d tensor`` (inseq's ``attributed_fn``, captum's ``target``).
+
+Gradient probes differentiate the loss −target / k (for the default: the mean cross-entropy of the
+answer tokens, :func:`probe.capture.target_loss`); ablations (:mod:`probe.faithfulness`) report the
+target itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Target = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def answer_logprob(logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """Σ_t log p(answer_t) from the answer rows' ``logits`` [k, vocab]: a 0-d tensor."""
+    return logits.log_softmax(-1).gather(-1, answer[:, None].to(logits.device)).sum()
+
+
+@dataclass(frozen=True)
+class Contrast:
+    """log p(answer) − log p(foil): ``foil`` LongTensor[k], a foil answer's token ids aligned with the
+    answer's (same length; tokenize it as the answer is, e.g. with its leading space)."""
+
+    foil: torch.Tensor
+
+    def __call__(self, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        foil = torch.as_tensor(self.foil, dtype=torch.long).reshape(-1)
+        if foil.shape != answer.shape:
+            raise ValueError(
+                f"the foil has {foil.numel()} tokens, the answer {answer.numel()}: a contrast compares "
+                "two answers token by token at the same rows; use foils of the answer's token length"
+            )
+        return answer_logprob(logits, answer) - answer_logprob(logits, foil)
+
+
+def resolve(target: Target | None) -> Target:
+    """``target`` as a callable (``None``: :func:`answer_logprob`), refusing anything else."""
+    if target is None:
+        return answer_logprob
+    if not callable(target):
+        raise TypeError(
+            f"target must be None (the answer's log-probability), probe.target.Contrast(foil) or a "
+            f"callable (logits [k, vocab], answer [k]) -> 0-d tensor, got {target!r}"
+        )
+    return target
+
+
+def target_value(target: Target | None, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """The target of one sequence's answer rows (``logits`` [k, vocab] upcast to at least fp32)."""
+    value = resolve(target)(logits.to(torch.promote_types(logits.dtype, torch.float32)), answer)
+    if not (torch.is_tensor(value) and value.ndim == 0):
+        raise TypeError(f"a target must return a 0-d tensor, got {value!r}")
+    return value
+
+
+def target_loss_of(target: Target | None, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """The loss gradient probes differentiate: −target / k (the default: mean cross-entropy)."""
+    return -target_value(target, logits, answer) / len(answer)
+
+
+def describe(target: Target | None) -> str:
+    """A target as the text a result records among its settings."""
+    if target is None:
+        return "answer_logprob"
+    if isinstance(target, Contrast):
+        return f"contrast(foil={torch.as_tensor(target.foil).reshape(-1).tolist()})"
+    return getattr(target, "__qualname__", repr(target))
