@@ -124,7 +124,7 @@ def test_soft_capping_and_sinks_are_modelled_not_ignored():
 
 
 def supported_architectures_markdown() -> str:
-    return "\n".join(f"- {name}" for name in ARCHITECTURES)
+    return ", ".join(ARCHITECTURES) + "."
 
 
 def test_readme_lists_the_tested_architectures():
