@@ -2,7 +2,7 @@
 
 Every function here reads attention through :func:`probe.capture.trace`; none holds
 full-vocabulary logits or all layers' full attention matrices. Each checks its memory plan first
-(:func:`probe.planner.guarded`: a clear :class:`MemoryError` instead of being killed), and the
+(:func:`probe.planner.guarded`: a clear :class:`~probe.planner.WontFitError` instead of being killed), and the
 gradient probes take ``checkpoint=False | True | "auto"``: decoder layers recomputed in the
 backward pass (:func:`probe.capture.checkpointed`), same result, activation memory
 O(seq·hidden·layers); ``"auto"`` (the default) turns it on when the plain pass would not fit.

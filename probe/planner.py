@@ -5,7 +5,8 @@ from the model's configuration (layers, hidden, intermediate, heads, KV heads, h
 dtype, sliding windows, which norms a decoder layer has) and the probe's settings (sequence length,
 target rows, batch, captured layers, checkpointing). No measured peak is looked up: every term is
 a count of tensors of known shape. :meth:`Plan.check` compares the prediction with the free memory
-and raises :class:`MemoryError` with the numbers and the advice before anything is allocated;
+and raises :class:`WontFitError` (a :class:`MemoryError`) with the numbers and the advice before
+anything is allocated;
 :func:`guard` resolves ``checkpoint="auto"`` and checks in one call (what a probe calls first).
 
 Notation (all per sequence; multiply by ``batch``): ``n`` tokens, ``L`` decoder layers, ``d`` hidden,
@@ -96,6 +97,7 @@ __all__ = [
     "PROBES",
     "Plan",
     "Shapes",
+    "WontFitError",
     "auto_checkpoint",
     "available_memory",
     "compact_heap",
@@ -126,6 +128,12 @@ MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc (64-bit): blocks this large are always 
 _GIB = 2**30
 _compact_heap = False
 
+
+
+class WontFitError(MemoryError):
+    """The planner's prediction that a call would not fit in the free memory, raised before any
+    allocation (a :class:`MemoryError`, so ``except MemoryError`` still catches it; an allocator's own
+    out-of-memory error is never this one)."""
 
 @dataclass(frozen=True)
 class Shapes:
@@ -275,7 +283,7 @@ class Plan:
         return frame.assign(gib=frame["bytes"] / _GIB, share=frame["bytes"] / max(self.total, 1))
 
     def check(self, available_bytes: int | None = None) -> Plan:
-        """Raise :class:`MemoryError` if :attr:`total` exceeds the free memory; return ``self``.
+        """Raise :class:`WontFitError` if :attr:`total` exceeds the free memory; return ``self``.
 
         ``available_bytes``: defaults to :func:`available_memory` of the plan's device (skipped,
         silently, where that cannot be read).
@@ -293,7 +301,7 @@ class Plan:
             )
         else:
             advice = "fewer layers or target rows, a smaller batch, or a shorter input"
-        raise MemoryError(
+        raise WontFitError(
             f"{self.probe} on {self.seq_len} tokens needs ≈ {_gib(self.total)}, {_gib(available)} free: "
             f"{advice} ({detail}; see probe.planner.plan(...))"
         )
@@ -506,7 +514,7 @@ def guard(
     """What a probe calls before allocating: resolve ``checkpoint`` and check the plan.
 
     ``checkpoint="auto"`` becomes :func:`auto_checkpoint` — and True as well when neither pass fits,
-    so that the error reports the smaller need. Raises :class:`MemoryError` (see :meth:`Plan.check`)
+    so that the error reports the smaller need. Raises :class:`WontFitError` (see :meth:`Plan.check`)
     when the resolved plan does not fit; returns the resolved ``checkpoint`` flag.
     """
     available = _available(model, available_bytes)
@@ -539,7 +547,7 @@ def guarded(
     """The block a probe runs its pass in: :func:`guard` (with the key masks and windows active
     here), then :func:`probe.capture.checkpointed` if the resolved flag is set. Yields the flag.
 
-    Raises :class:`MemoryError` with the plan's numbers before anything is allocated when the
+    Raises :class:`WontFitError` with the plan's numbers before anything is allocated when the
     call cannot fit the free memory.
     """
     resolved = guard(model, seq_len, probe, checkpoint, rows, batch, layers, masked=masks_active())
