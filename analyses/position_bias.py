@@ -44,7 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 import probe
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
+from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import save_figure
 from analyses.sweep import is_main_process, sweep
 from probe import graph, tasks
@@ -244,6 +244,7 @@ def controlled_study(
             resume,
             desc="controlled study",
             progress=progress,
+            settings=dataclasses.asdict(preset),
         )
     if found is None:
         return pd.DataFrame()
@@ -677,7 +678,9 @@ def run_real(preset: Preset, args: argparse.Namespace, progress: bool) -> dict[s
     if not preset.models:
         return {}
     parts = out / ".position_bias_real_parts"
-    tables = sweep([(name,) for name in preset.models], run, parts, resume, "real models", progress=progress)
+    jobs = [(name,) for name in preset.models]
+    settings = dataclasses.asdict(preset) | resume_settings(args, "threads", "no_progress", "parts")
+    tables = sweep(jobs, run, parts, resume, "real models", progress=progress, settings=settings)
     if tables is None:
         return {}
     save_figure(
