@@ -77,7 +77,13 @@ class ActivationCache(dict):
     def __getitem__(self, key):
         if isinstance(key, tuple):
             kind, layer = key
+            if kind not in HOOK_NAMES:
+                raise KeyError(f"unknown kind {kind!r}: one of {sorted(HOOK_NAMES)}")
             key = HOOK_NAMES[kind].format(layer=layer % self.n_layers)
+        if key not in self:
+            held = ", ".join(sorted(self, key=lambda name: (len(name), name))) or "nothing"
+            hint = " (gradients need trace(..., grad=True) and a backward)" if key.endswith("_grad") else ""
+            raise KeyError(f"{key} was not captured{hint}; the cache holds: {held}")
         return super().__getitem__(key)
 
     def stack(self, kind: str = "pattern", layers: Sequence[int] | None = None) -> torch.Tensor:
@@ -692,6 +698,7 @@ def trace(
     """
     inner = hf_model(model)
     chosen = check_layers(inner, layers)
+    check_int(block_size, "block_size", minimum=1)
     if rows is not None:
         rows = check_integers(rows, "rows").reshape(-1)
         if rows.numel() == 0 or int(rows.min()) < 0:

@@ -159,3 +159,14 @@ def test_a_sample_refuses_another_tokenizer_or_a_model_of_another_vocabulary():
         detectors.detect("recency", probe.tiny_model("llama", vocab_size=len(smollm2)), gemma, sample)
     with pytest.raises(ValueError, match="but the model has 262"):
         faithfulness.answer_scores(wide, sample, torch.zeros(1, len(sample.sources), dtype=torch.bool))
+
+
+def test_a_missing_cache_entry_and_a_zero_block_size_say_what_to_do(tiny):
+    with probe.trace(tiny, rows=[3], layers=[0]) as cache:
+        tiny(torch.arange(20)[None])
+    with pytest.raises(KeyError, match="hook_pattern was not captured; the cache holds: blocks.0"):
+        cache["pattern", 1]
+    with pytest.raises(KeyError, match=r"need trace\(\.\.\., grad=True\)"):
+        cache["pattern_grad", 0]
+    with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):
+        probe.trace(tiny, block_size=0).__enter__()
