@@ -39,7 +39,7 @@ import functools
 import time
 
 import pandas as pd
-from harness import bench_parser, measure, report, run_bench
+from harness import bench_parser, load, measure, report, run_bench
 
 MASK_METHODS = {
     "key_masking": dict(reuse_prefix=False, compact=False),
@@ -117,7 +117,9 @@ def exhaustive_scores(model, tokenizer, sample, found, method: str):
     return torch.load(path)
 
 
-def _run_child(method: str, length: int, model_name: str, threads: int, loo_samples: int) -> dict:
+def _run_child(
+    method: str, length: int, model_name: str, threads: int, loo_samples: int, device: str, dtype: str | None
+) -> dict:
     """Measure one method in this (fresh) process: time, memory, passes and a checksum or agreement."""
     import torch
     from scipy.stats import spearmanr
@@ -126,7 +128,7 @@ def _run_child(method: str, length: int, model_name: str, threads: int, loo_samp
     from probe import faithfulness, tasks
 
     torch.set_num_threads(threads)
-    model, tokenizer = probe.load_model(model_name)
+    model, tokenizer = load(model_name, device, dtype)
     sample = tasks.make("multihop-2", tokenizer, length, seed=0)
     if method in EVALUATE_METHODS:
         from analyses.detector_compare import source_scorers
@@ -139,7 +141,7 @@ def _run_child(method: str, length: int, model_name: str, threads: int, loo_samp
             return faithfulness.evaluate(model, sample, scorers, **EVALUATE_METHODS[method])
 
         stats, frame = measure(
-            evaluate, lambda: faithfulness.answer_scores(model, sample, bench_masks(sample)[:2])
+            evaluate, lambda: faithfulness.answer_scores(model, sample, bench_masks(sample)[:2]), device
         )
         return {
             **stats,
@@ -153,7 +155,7 @@ def _run_child(method: str, length: int, model_name: str, threads: int, loo_samp
         def run():
             return faithfulness.answer_scores(model, sample, removed, **MASK_METHODS[method])
 
-        stats, result = measure(run, lambda: faithfulness.answer_scores(model, sample, removed[:2]))
+        stats, result = measure(run, lambda: faithfulness.answer_scores(model, sample, removed[:2]), device)
         return {**stats, "samples": 1, "passes": len(removed), "logprob_sum": float(result.logprob.sum())}
     samples = [tasks.make("multihop-2", tokenizer, length, seed=seed) for seed in range(loo_samples)]
     faithfulness.answer_scores(model, sample, bench_masks(sample)[:2])  # warm up
@@ -176,7 +178,7 @@ def _run_child(method: str, length: int, model_name: str, threads: int, loo_samp
         )
     frame = pd.DataFrame(rows)
     agreement = frame[["top1_agreement", "spearman_vs_exhaustive"]].mean().to_dict()
-    totals = {"seconds": frame.seconds.sum(), "passes": frame.passes.sum()}  # over the samples
+    totals = {"seconds": float(frame.seconds.sum()), "passes": int(frame.passes.sum())}  # over the samples
     return {**totals, **agreement, "samples": len(samples), "peak_mib": float("nan")}
 
 
@@ -187,7 +189,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--loo-samples", type=int, default=4, help="samples for the loo_* rows")
     args = parser.parse_args(argv)
     child = functools.partial(
-        _run_child, model_name=args.model, threads=args.threads, loo_samples=args.loo_samples
+        _run_child,
+        model_name=args.model,
+        threads=args.threads,
+        loo_samples=args.loo_samples,
+        device=args.device,
+        dtype=args.dtype,
     )
     forwarded = ["--threads", str(args.threads), "--loo-samples", str(args.loo_samples)]
     if args.child:

@@ -22,12 +22,14 @@ from __future__ import annotations
 import functools
 
 import pandas as pd
-from harness import bench_parser, measure, run_bench
+from harness import bench_parser, load, measure, run_bench
 
 METHODS = ("plain", "information_flow", "naive")
 
 
-def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dict:
+def _run_child(
+    method: str, length: int, n_targets: int, model_name: str, device: str, dtype: str | None
+) -> dict:
     """Run one method once in this (fresh) process; return its time and peak memory."""
     import torch
 
@@ -36,9 +38,9 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dic
     from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(2)
-    model, tokenizer = probe.load_model(model_name)
-    ids = essay_ids(tokenizer, length)[0][None]
-    targets = torch.arange(length - n_targets, length)
+    model, tokenizer = load(model_name, device, dtype)
+    ids = essay_ids(tokenizer, length)[0][None].to(device)
+    targets = torch.arange(length - n_targets, length, device=device)
 
     def plain():
         with frozen_parameters(model):
@@ -65,14 +67,16 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str) -> dic
             model(input_ids=ids[:, :64], use_cache=False)
 
     run = {"plain": plain, "information_flow": information_flow, "naive": naive}[method]
-    return measure(run, warm_up)[0]
+    return measure(run, warm_up, device)[0]
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = bench_parser(__doc__, METHODS, [1024, 2048])
     parser.add_argument("--targets", type=int, default=16, help="loss on the last N tokens")
     args = parser.parse_args(argv)
-    child = functools.partial(_run_child, n_targets=args.targets, model_name=args.model)
+    child = functools.partial(
+        _run_child, n_targets=args.targets, model_name=args.model, device=args.device, dtype=args.dtype
+    )
     return run_bench(args, __file__, ["--targets", str(args.targets)], child, "plain")
 
 

@@ -80,6 +80,8 @@ from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `probe` without an install
 
+from harness import add_device_arguments, load  # noqa: E402
+
 import probe  # noqa: E402
 from probe.faithfulness import answer_scores  # noqa: E402
 from probe.results import atomic_write  # noqa: E402
@@ -297,13 +299,14 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
     parser.add_argument(
         "--resume", action="store_true", help="keep the rows of --csv and run only the seeds it lacks"
     )
+    add_device_arguments(parser)
     args = parser.parse_args(argv)
     done = pd.read_csv(args.csv) if args.resume and args.csv and args.csv.exists() else pd.DataFrame()
     if len(done) and not set(PAIR_COLUMNS + SAMPLE_COLUMNS) <= set(done.columns):
         raise SystemExit(f"{args.csv} was written by an older version of this script; rerun without --resume")
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = probe.load_model(args.model)
+    model, tokenizer = load(args.model, args.device, args.dtype)
     if tokenizer.chat_template is None:
         raise SystemExit(f"{args.model} has no chat template; the package always applies one")
     warm = probe.tasks.make("multihop-1", tokenizer, args.length, seed=10_000)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import functools
 
 import pandas as pd
-from harness import bench_parser, measure, run_bench
+from harness import bench_parser, load, measure, run_bench
 
 METHODS = ("streamed", "stacked", "eager")
 
 
-def _run_child(method: str, length: int, model_name: str, threads: int) -> dict:
+def _run_child(
+    method: str, length: int, model_name: str, threads: int, device: str, dtype: str | None
+) -> dict:
     """Compute the all-layer product once in this (fresh) process; return its time and peak memory."""
     import torch
 
@@ -35,12 +37,12 @@ def _run_child(method: str, length: int, model_name: str, threads: int) -> dict:
     from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(threads)
-    model, tokenizer = probe.load_model(model_name)
-    ids = essay_ids(tokenizer, length)[0][None]
+    model, tokenizer = load(model_name, device, dtype)
+    ids = essay_ids(tokenizer, length)[0][None].to(device)
 
     def product(attentions) -> torch.Tensor:
         """``A^(L−1) … A^(0)`` of the head-averaged attentions, each Tensor[heads, n, n]: [n, n]."""
-        result = torch.eye(length, dtype=torch.float64)
+        result = torch.eye(length, dtype=torch.float64, device=device)
         for attention in attentions:
             multiply_in_place(result, attention.mean(0).double())
         return result
@@ -64,7 +66,7 @@ def _run_child(method: str, length: int, model_name: str, threads: int) -> dict:
             model(input_ids=ids[:, :64], use_cache=False)
 
     run = {"streamed": streamed, "stacked": stacked, "eager": eager}[method]
-    stats, result = measure(run, warm_up)
+    stats, result = measure(run, warm_up, device)
     return {**stats, "mass_first_last_row": float(result[-1, 0])}  # the same number for every method
 
 
@@ -72,7 +74,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = bench_parser(__doc__, METHODS, [1024, 2048])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    child = functools.partial(_run_child, model_name=args.model, threads=args.threads)
+    child = functools.partial(
+        _run_child, model_name=args.model, threads=args.threads, device=args.device, dtype=args.dtype
+    )
     return run_bench(args, __file__, ["--threads", str(args.threads)], child, "streamed")
 
 

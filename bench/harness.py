@@ -1,10 +1,11 @@
 """What every benchmark here shares: one child process per measurement, peak RSS, ratios, the CSV.
 
 A benchmark script calls :func:`run_children` from its parent process; each child loads what
-it needs, then calls :func:`measure`, which warms up, resets the kernel's peak-RSS counter
-(``/proc/self/clear_refs``), runs the method once and reports wall time and the peak RSS
-above the warmed-up state. Separate processes keep every peak clean; all rows of one table
-come from one invocation, so their ratios compare like with like.
+it needs (:func:`load`: on ``--device`` in ``--dtype``), then calls :func:`measure`, which warms up,
+resets the kernel's peak-RSS counter (``/proc/self/clear_refs``; CUDA's peak counter on a GPU), runs
+the method once and reports wall time and the peak memory above the warmed-up state. Separate
+processes keep every peak clean; all rows of one table come from one invocation, so their ratios
+compare like with like.
 """
 
 from __future__ import annotations
@@ -30,15 +31,50 @@ def rss_mib(field: str = "VmRSS") -> float:
     return int(status.split(f"{field}:")[1].split()[0]) / 1024
 
 
-def measure(run: Callable[[], object], warm_up: Callable[[], object]) -> tuple[dict, object]:
-    """Run ``warm_up`` (page in weights, warm kernels), then time ``run`` once and take its peak RSS."""
+def measure(
+    run: Callable[[], object], warm_up: Callable[[], object], device: str = "cpu"
+) -> tuple[dict, object]:
+    """Run ``warm_up`` (page in weights, warm kernels), then time ``run`` once and take its peak
+    memory above the warmed-up state: peak RSS on the CPU, ``torch.cuda.max_memory_allocated`` (and
+    synchronized time) on a GPU."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
     warm_up()
-    loaded = rss_mib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
+    if cuda:
+        torch.cuda.synchronize()
+        loaded = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        loaded = rss_mib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM (peak RSS) to the current RSS
     start = time.perf_counter()
     result = run()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_mib": rss_mib("VmHWM") - loaded, "loaded_mib": loaded}, result
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mib("VmHWM")
+    return {"seconds": seconds, "peak_mib": peak - loaded, "loaded_mib": loaded}, result
+
+
+def load(name: str, device: str = "cpu", dtype: str | None = None):
+    """(model, tokenizer): ``probe.load_model(name)`` on ``device`` in ``dtype`` (default: its own)."""
+    import torch
+
+    import probe
+
+    return probe.load_model(name, dtype=getattr(torch, dtype) if dtype else None, device=device)
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` (default cpu) and ``--dtype`` (default: the model's own)."""
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+
+
+def device_arguments(args: argparse.Namespace) -> list[str]:
+    """``--device`` / ``--dtype`` as a child process is given them."""
+    return ["--device", args.device, *(["--dtype", args.dtype] if args.dtype else [])]
 
 
 def run_children(script: str, args: list[str], jobs: Iterable[tuple[str, int]]) -> pd.DataFrame:
@@ -84,6 +120,7 @@ def bench_parser(doc: str, methods: tuple[str, ...], lengths: list[int]) -> argp
     parser.add_argument("--lengths", type=int, nargs="+", default=lengths)
     parser.add_argument("--methods", nargs="+", choices=methods, default=list(methods))
     parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
+    add_device_arguments(parser)
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     return parser
 
@@ -101,5 +138,5 @@ def run_bench(
         print(json.dumps(child(args.child[0], int(args.child[1]))))
         return pd.DataFrame()
     jobs = [(method, length) for length in args.lengths for method in args.methods]
-    table = run_children(script, ["--model", args.model, *forwarded], jobs)
+    table = run_children(script, ["--model", args.model, *device_arguments(args), *forwarded], jobs)
     return report(add_ratios(table, baseline) if baseline in args.methods else table, args.csv)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from harness import add_device_arguments, load
 
 import probe
 from probe import faithfulness, tasks
@@ -32,9 +33,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--csv", type=Path, default=None)
+    add_device_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    model, tokenizer = probe.load_model("smollm2-135m")
+    model, tokenizer = load("smollm2-135m", args.device, args.dtype)
     rows = []
     for task in ("multihop-1", "multihop-2"):
         for seed in args.seeds:

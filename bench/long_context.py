@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 
 import pandas as pd
-from harness import add_ratios, bench_parser, measure, report, run_children
+from harness import add_ratios, bench_parser, device_arguments, measure, report, run_children
 
 METHODS = (
     "forward",
@@ -77,20 +76,22 @@ RANDOM_CONFIGS = {
 }  # fmt: skip
 
 
-def _load(model_name: str, device: str, tokenizer_folder: str | None):
-    """(model, tokenizer): a real model on CPU, or a random bf16 one with published shapes on ``device``."""
+def _load(model_name: str, device: str, dtype: str | None, tokenizer_folder: str | None):
+    """(model, tokenizer): a real model, or a random one with published shapes (bf16 unless ``dtype``)
+    on ``device``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import probe
 
     if model_name not in RANDOM_CONFIGS:
-        model, tokenizer = probe.load_model(model_name)
-        return model.to(device), tokenizer
+        return probe.load_model(model_name, dtype=getattr(torch, dtype) if dtype else None, device=device)
     shape = dict(RANDOM_CONFIGS[model_name])
     config = AutoConfig.for_model(shape.pop("model_type"), **shape)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, dtype or "bfloat16"), attn_implementation="sdpa"
+        )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder) if tokenizer_folder else None
     return model.eval(), tokenizer
 
@@ -106,24 +107,14 @@ def _ids(tokenizer, length: int, vocab: int):
     return essay_ids(tokenizer, length)[0][None]
 
 
-def _measure_cuda(run, warm_up) -> dict:
-    """Like :func:`harness.measure`, with CUDA's peak allocated memory and synchronized time."""
-    import torch
-
-    warm_up()
-    torch.cuda.synchronize()
-    loaded = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    run()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_mib": (torch.cuda.max_memory_allocated() - loaded) / 2**20,
-            "loaded_mib": loaded / 2**20}  # fmt: skip
-
-
 def _run_child(
-    method: str, length: int, model_name: str, device: str, n_targets: int, tokenizer_folder
+    method: str,
+    length: int,
+    model_name: str,
+    device: str,
+    dtype: str | None,
+    n_targets: int,
+    tokenizer_folder: str | None,
 ) -> dict:
     """Run one method once in this (fresh) process; return time, peak memory and the planner's figure."""
     import torch
@@ -132,7 +123,7 @@ def _run_child(
     from probe.capture import frozen_parameters, target_loss
 
     torch.set_num_threads(2)
-    model, tokenizer = _load(model_name, device, tokenizer_folder)
+    model, tokenizer = _load(model_name, device, dtype, tokenizer_folder)
     ids = _ids(tokenizer, length, model.config.vocab_size).to(device)
     targets = torch.arange(length - n_targets, length, device=device)
 
@@ -173,7 +164,7 @@ def _run_child(
     if method.startswith("information_flow"):
         checkpoint = method.endswith("checkpointed")
         predicted = probe.plan(model, length, "information_flow", rows=n_targets, checkpoint=checkpoint).total
-    stats = _measure_cuda(run, warm_up) if device.startswith("cuda") else measure(run, warm_up)[0]
+    stats = measure(run, warm_up, device)[0]
     if method.startswith("longppl"):
         stats["tokens_per_s"] = length / stats["seconds"]
     return {**stats, "predicted_mib": None if predicted is None else predicted / 2**20, "device": device}
@@ -182,7 +173,6 @@ def _run_child(
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = bench_parser(__doc__, METHODS, [])
     parser.add_argument("--models", nargs="+", default=None, help="default: the issue's set for --device")
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--targets", type=int, default=16, help="loss on the last N tokens")
     parser.add_argument("--tokenizer", default=None, help="GPU: a tokenizer folder for the LongPPL rows")
     args = parser.parse_args(argv)
@@ -191,6 +181,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             _run_child,
             model_name=args.model,
             device=args.device,
+            dtype=args.dtype,
             n_targets=args.targets,
             tokenizer_folder=args.tokenizer,
         )
@@ -206,7 +197,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         ]
         if args.tokenizer is None:
             jobs = [(method, length) for method, length in jobs if not method.startswith("longppl")]
-        forwarded = ["--model", model, "--device", args.device, "--targets", str(args.targets)]
+        forwarded = ["--model", model, *device_arguments(args), "--targets", str(args.targets)]
         forwarded += ["--tokenizer", args.tokenizer] if args.tokenizer else []
         table = run_children(__file__, forwarded, jobs)
         table = add_ratios(table, "forward")

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
-from harness import add_ratios, measure, report, run_children
+from harness import add_device_arguments, add_ratios, device_arguments, load, measure, report, run_children
 
 METHODS = ("official", "ours_official", "ours")
 OFFICIAL = "longppl==0.3.0"
@@ -53,7 +53,7 @@ def _run_child(method: str, length: int, args: argparse.Namespace) -> dict:
     import probe
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = probe.load_model(args.model)
+    model, tokenizer = load(args.model, args.device, args.dtype)
     text = essay_text(tokenizer, length, args.K, args.d)
     if method != "ours":
         sys.path.insert(0, args.official_path)
@@ -82,7 +82,7 @@ def _run_child(method: str, length: int, args: argparse.Namespace) -> dict:
         with torch.no_grad():
             model(input_ids=torch.ones(1, 64, dtype=torch.long), use_cache=False)
 
-    stats, result = measure(run, warm_up)
+    stats, result = measure(run, warm_up, args.device)
     if method == "official":
         with torch.no_grad():
             spans = find_key_token(text, model, tokenizer, args.K, args.d)
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
+    add_device_arguments(parser)
     parser.add_argument("--official-path", help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             str(args.d),
             "--threads",
             str(args.threads),
+            *device_arguments(args),
         ]
         jobs = [(method, length) for length in args.lengths for method in args.methods]
         table = add_ratios(run_children(__file__, [*child_args, "--official-path", target], jobs), "official")

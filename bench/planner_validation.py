@@ -30,13 +30,15 @@ import os
 from pathlib import Path
 
 import pandas as pd
-from harness import bench_parser, measure, report, run_children
+from harness import bench_parser, device_arguments, load, measure, report, run_children
 
 METHODS = ("plain", "checkpointed")
 MODELS = ("smollm2-135m", "gemma3-270m")
 
 
-def _run_child(method: str, length: int, n_targets: int, model_name: str, threads: int) -> dict:
+def _run_child(
+    method: str, length: int, n_targets: int, model_name: str, threads: int, device: str, dtype: str | None
+) -> dict:
     """Run ``information_flow`` once in this (fresh) process; return measured and predicted peaks."""
     import torch
 
@@ -46,9 +48,9 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str, thread
     from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(threads)
-    model, tokenizer = probe.load_model(model_name)
-    ids = essay_ids(tokenizer, length)[0][None]
-    targets = torch.arange(length - n_targets, length)
+    model, tokenizer = load(model_name, device, dtype)
+    ids = essay_ids(tokenizer, length)[0][None].to(device)
+    targets = torch.arange(length - n_targets, length, device=device)
     checkpoint = method == "checkpointed"
     predicted = plan(model, length, "information_flow", rows=n_targets, checkpoint=checkpoint)
 
@@ -60,14 +62,14 @@ def _run_child(method: str, length: int, n_targets: int, model_name: str, thread
         with torch.no_grad():
             model(input_ids=ids[:, :64], use_cache=False)
 
-    load = os.getloadavg()[0]
-    measured = measure(run, warm_up)[0]
+    system_load = os.getloadavg()[0]
+    measured = measure(run, warm_up, device)[0]
     return {
         **measured,
         "predicted_mib": predicted.total / 2**20,
         "tensors_mib": (predicted.total - predicted.terms["allocator"]) / 2**20,
         "phase": predicted.phase,
-        "load": load,
+        "load": system_load,
         **{f"{name}_mib": value / 2**20 for name, value in predicted.terms.items()},
     }
 
@@ -116,7 +118,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         return report(table.assign(within_15pct=(table.ratio - 1).abs() <= 0.15), args.csv)
     if args.child:
         child = functools.partial(
-            _run_child, n_targets=args.targets, model_name=args.model, threads=args.threads
+            _run_child,
+            n_targets=args.targets,
+            model_name=args.model,
+            threads=args.threads,
+            device=args.device,
+            dtype=args.dtype,
         )
         import json
 
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     tables = []
     for model in args.models:
         jobs = [(method, length) for length in args.lengths for method in args.methods]
-        forwarded = ["--model", model, "--targets", str(args.targets), "--threads", str(args.threads)]
+        forwarded = ["--model", model, *device_arguments(args), "--targets", str(args.targets)]
+        forwarded += ["--threads", str(args.threads)]
         table = run_children(__file__, forwarded, jobs)
         tables.append(table.assign(model=model))
     table = pd.concat(tables, ignore_index=True)

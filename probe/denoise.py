@@ -17,7 +17,7 @@ import torch
 
 from probe.attribution import embedding_grads
 from probe.capture import frozen_parameters, target_loss, trace
-from probe.checks import check_layers, hf_model
+from probe.checks import check_layers, hf_model, input_device
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.tasks import CATEGORIES, Sample
 
@@ -59,7 +59,7 @@ def category_mass(pattern: torch.Tensor, labels: np.ndarray) -> pd.DataFrame:
     ``pattern`` is Tensor[layers, heads, rows, seq]; the mass of a category is the attention summed
     over its tokens, averaged over heads and rows. Over all categories it sums to 1 per layer.
     """
-    per_token = pattern.mean(dim=(1, 2)).double().numpy()  # [layers, seq]
+    per_token = pattern.mean(dim=(1, 2)).double().cpu().numpy()  # [layers, seq]
     categories = [c for c in (*CATEGORIES, "other") if c in labels]
     return pd.DataFrame({c: per_token[:, labels == c].sum(axis=1) for c in categories})
 
@@ -91,9 +91,9 @@ def noise_restraint(
     ids, targets = sample.input_ids, sample.target_positions
     layers, labels = check_layers(model, layers), sample.categories
     with torch.no_grad():
-        embeds = hf_model(model).get_input_embeddings()(ids)
+        embeds = hf_model(model).get_input_embeddings()(ids.to(input_device(model)))
     grads = embedding_grads(model, ids, targets, inputs_embeds=embeds, checkpoint=checkpoint)
-    moved = moved_tokens(sample, move, grads)
+    moved = moved_tokens(sample, move, grads).cpu()
     before, loss_before = answer_attention(model, ids, targets, layers, embeds)
     before = category_mass(before, labels).set_axis(layers).stack()
     counts = pd.Series(labels).value_counts()

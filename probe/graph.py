@@ -173,7 +173,7 @@ def context_selector(
         raise ValueError(f"heads must be 'mean' or a head index in [0, {n_heads}), got {heads!r}")
     lams = measured_mix(model, ids).tolist() if mix == "measured" else [mix] * total
 
-    product = torch.eye(ids.shape[1], dtype=torch.float64)
+    product = torch.eye(ids.shape[1], dtype=torch.float64, device=ids.device)
     selected = {}
 
     def on_layer(layer: int, pattern: torch.Tensor) -> None:

@@ -141,7 +141,7 @@ def denoised_embeddings(
             f"embeds {tuple(embeds.shape)}, grads {tuple(grads.shape)} and move {tuple(move.shape)} "
             "must be [seq, hidden], [seq, hidden] and [seq]"
         )
-    return embeds - (lr * beta) * grads * move[:, None].to(grads.dtype)
+    return embeds - (lr * beta) * grads * move[:, None].to(grads)
 
 
 class CDTLoss(NamedTuple):

@@ -229,7 +229,7 @@ def decode_with_argmax(
             length += 1
             if eos_token_id is not None and int(token) == eos_token_id:
                 break
-    return torch.tensor(generated), torch.stack(argmax)
+    return torch.tensor(generated), torch.stack(argmax).cpu()  # bookkeeping on the CPU
 
 
 def copy_hits(

@@ -157,3 +157,26 @@ def test_the_virtual_device_refuses_what_a_gpu_refuses(request):
                 pytest.fail(f"not refused: {mistake}")
         assert (on_device + 1).device.type == device and (on_device + torch.tensor(1.0)).device.type == device
         assert on_device[torch.tensor([0, 2])].tolist() == [1.0, 1.0] and on_device.cpu().device.type == "cpu"
+
+
+def test_the_other_probes_on_the_device(models, tokenizer, sample):
+    """context_selector, LongPPL's LSD, retrieval scores and noise restraint: results equal the CPU's."""
+    model, moved, context, atol = models
+    needle = tasks.make("niah", tokenizer, 200, seed=0)
+    text = sample.text[:400]
+
+    def run(model) -> dict:
+        return {
+            "selector": probe.context_selector(model, sample.input_ids, layers=[-1]).cpu(),
+            "lsd": probe.token_lsd(model, tokenizer, text, K=32, d=16),
+            "retrieval": probe.retrieval_scores(model, tokenizer, [needle], require_correct=False).to_frame(),
+            "restraint": probe.noise_restraint(model, sample, lr=[0.0, 0.1]),
+        }
+
+    expected = run(model)
+    with context():
+        found = run(moved)
+    close(found["selector"], expected["selector"], atol)
+    for name in ("lsd", "retrieval", "restraint"):
+        numbers = expected[name].select_dtypes("number").columns
+        pd.testing.assert_frame_equal(found[name][numbers], expected[name][numbers], atol=atol, rtol=1e-3)
