@@ -629,6 +629,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Preset, argparse.Namespace]:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--resume", action="store_true", help="keep the jobs a killed run finished")
     args = parser.parse_args(argv)
+    counts = [args.steps, args.pool, args.threads, *(args.n_layers or ()), *(args.residual_n_layers or ())]
+    if any(count is not None and count < 1 for count in counts) or min(args.seeds or [0]) < 0:
+        parser.error("--steps, --pool, --threads and the layer counts must be at least 1, --seeds >= 0")
     check_out(parser, args.out)
     check_device_arguments(parser, args)
     preset = PRESETS[args.preset or "quick"]

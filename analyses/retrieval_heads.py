@@ -216,6 +216,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.ablation_samples, args.ks = 6, [0, 5, 10]
     if min(args.needles, args.ablation_samples, args.random_draws) < 1:
         parser.error("--needles, --ablation-samples and --random-draws must be at least 1")
+    if min(args.ks) < 0 or min(args.lengths) < 64 or args.ablation_length < 64:
+        parser.error("--ks must be numbers of heads >= 0, --lengths and --ablation-length at least 64 tokens")
+    if not all(0 <= depth <= 1 for depth in args.depths):
+        parser.error("--depths are fractions of the context, between 0 and 1")
     check_out(parser, args.out)
     check_device_arguments(parser, args)
     return args

@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.samples, args.lengths = 2, [512]
+    if args.samples < 0 or min(args.lengths) < 64:
+        parser.error("--samples must be >= 0 (0 with --resume redraws the CSV), --lengths at least 64")
     check_out(parser, args.out)
     check_device_arguments(parser, args)
     return args

@@ -2,6 +2,7 @@
 that is not a folder before any model loads, and loads its models through :func:`analyses.arguments.load`."""
 
 import argparse
+import importlib
 
 import pytest
 import torch
@@ -125,3 +126,22 @@ def test_load_defaults_to_the_process_gpu_and_the_model_dtype(loads):
         {"spec": MODEL, "dtype": None, "device": own},
         {"spec": "other", "dtype": torch.float16, "device": "cpu"},
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "message"),
+    [
+        ("task_accuracy", ["--samples", "-2"], "--samples must be >= 0"),
+        ("retrieval_heads", ["--ks", "-1"], "--ks must be numbers of heads >= 0"),
+        ("retrieval_heads", ["--depths", "1.5"], "--depths are fractions"),
+        ("position_bias", ["--steps", "0"], "the layer counts must be at least 1"),
+        ("detector_compare", ["--lsd-k", "0"], "--lsd-k must be between 1"),
+        ("detector_compare", ["--top-k", "0"], "--top-k must be at least 1"),
+    ],
+)
+def test_bad_counts_are_refused_before_any_model_loads(name, argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(probe, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    module = importlib.import_module(f"analyses.{name}")
+    with pytest.raises(SystemExit):
+        module.main([*argv, "--out", str(tmp_path)])
+    assert message in capsys.readouterr().err
