@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -173,22 +174,21 @@ def check_positions(
     return pos
 
 
-_FINGERPRINTS: dict[int, tuple[object, dict]] = {}
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer → fingerprint
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
     """``{"name", "vocab_size", "vocab_hash"}`` of a tokenizer: what a sample records of the tokenizer
     that made it (the hash: SHA-1 of its sorted vocabulary; computed once per tokenizer object)."""
-    cached = _FINGERPRINTS.get(id(tokenizer))
-    if cached is not None and cached[0] is tokenizer:
-        return cached[1]
+    if tokenizer in _FINGERPRINTS:
+        return _FINGERPRINTS[tokenizer]
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     found = {
         "name": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
         "vocab_size": len(tokenizer),
         "vocab_hash": hashlib.sha1(vocab.encode()).hexdigest()[:16],
     }
-    _FINGERPRINTS[id(tokenizer)] = (tokenizer, found)
+    _FINGERPRINTS[tokenizer] = found
     return found
 
 
