@@ -131,7 +131,7 @@ def _run_child(
     model, tokenizer = load(model_name, device, dtype)
     sample = tasks.make("multihop-2", tokenizer, length, seed=0)
     if method in EVALUATE_METHODS:
-        from analyses.detector_compare import source_scorers
+        from analyses.comparison import source_scorers
         from probe import detectors
 
         options = {"lsd": {"K": length // 4, "d": length // 8}}

@@ -34,7 +34,8 @@ def _run_child(
     import torch
 
     import probe
-    from probe.capture import frozen_parameters, target_loss
+    from probe.shared_state import frozen_parameters
+    from probe.target import target_loss
     from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(2)

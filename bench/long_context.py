@@ -120,7 +120,8 @@ def _run_child(
     import torch
 
     import probe
-    from probe.capture import frozen_parameters, target_loss
+    from probe.shared_state import frozen_parameters
+    from probe.target import target_loss
 
     torch.set_num_threads(2)
     model, tokenizer = _load(model_name, device, dtype, tokenizer_folder)

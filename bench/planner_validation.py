@@ -11,7 +11,7 @@ the rest is glibc heap slack, see :mod:`probe.planner`). ``load`` is the 1-minut
 by the child just before its run (the machine has 2 cores).
 
 - ``plain``: ``probe.information_flow(model, ids, targets)``.
-- ``checkpointed``: the same call inside ``probe.capture.checkpointed(model)``.
+- ``checkpointed``: the same call inside ``probe.checkpointing.checkpointed(model)``.
 
     python bench/planner_validation.py --csv bench/results/planner_validation.csv
     python bench/planner_validation.py --models smollm2-135m --lengths 1024 2048   # quick
@@ -43,7 +43,7 @@ def _run_child(
     import torch
 
     import probe
-    from probe.capture import checkpointed
+    from probe.checkpointing import checkpointed
     from probe.planner import plan
     from probe.tasks.noise import essay_ids
 

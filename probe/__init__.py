@@ -9,15 +9,8 @@ from probe.attribution import (
     embedding_grads,
     information_flow,
 )
-from probe.capture import (
-    ActivationCache,
-    ablate_heads,
-    attention_window,
-    checkpointed,
-    mask_keys,
-    target_loss,
-    trace,
-)
+from probe.capture import ActivationCache, trace
+from probe.checkpointing import checkpointed
 from probe.checks import UnsupportedModelError
 from probe.denoise import noise_restraint
 from probe.detectors import Detection, attribute, detect
@@ -25,9 +18,12 @@ from probe.generation import answer
 from probe.graph import context_selector
 from probe.lsd import longppl, pool_longppl, token_lsd
 from probe.models import load_model, tiny_model, to_bridge
+from probe.modifiers import ablate_heads, attention_window, mask_keys
+from probe.patching import patch_heads, record_heads
 from probe.planner import plan
 from probe.retrieval import RetrievalScores, retrieval_scores
 from probe.rope import rope_base
+from probe.target import target_loss
 
 __all__ = [
     "ActivationCache",
@@ -53,8 +49,10 @@ __all__ = [
     "longppl",
     "mask_keys",
     "noise_restraint",
+    "patch_heads",
     "plan",
     "pool_longppl",
+    "record_heads",
     "retrieval_scores",
     "rope_base",
     "target_loss",

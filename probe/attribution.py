@@ -4,7 +4,7 @@ Every function here reads attention through :func:`probe.capture.trace`; none ho
 full-vocabulary logits or all layers' full attention matrices. Each checks its memory plan first
 (:func:`probe.planner.guarded`: a clear :class:`~probe.planner.WontFitError` instead of being killed), and the
 gradient probes take ``checkpoint=False | True | "auto"``: decoder layers recomputed in the
-backward pass (:func:`probe.capture.checkpointed`), same result, activation memory
+backward pass (:func:`probe.checkpointing.checkpointed`), same result, activation memory
 O(seq·hidden·layers); ``"auto"`` (the default) turns it on when the plain pass would not fit.
 :func:`answer_attribution` gets the answer rows' attention, its gradient and the input-embedding
 gradient from one forward+backward pass, for every detector that needs any of them.
@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from probe.batch import Batch, batch_loss, batch_of, is_batch
-from probe.capture import bias_keys, frozen_parameters, trace
+from probe.capture import trace
 from probe.checks import check_input_ids, check_int, check_layers, check_positions, hf_model, input_device
-from probe.planner import available_memory, guarded
+from probe.modifiers import bias_keys
+from probe.planner import guarded
+from probe.shared_state import frozen_parameters
 from probe.target import Target, target_value
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
@@ -348,16 +350,16 @@ def key_removal_gradient(
 ) -> torch.Tensor:
     """∂ log P(answer) / ∂b_j at b = 0 (``target``: of another number about the answer, see
     :mod:`probe.target`), where b_j is added to the attention logit of key j from every
-    later query, in every layer and head (:func:`probe.capture.bias_keys`): Tensor[seq].
+    later query, in every layer and head (:func:`probe.modifiers.bias_keys`): Tensor[seq].
 
     A first-order estimate of what removing token j everywhere does to the answer's log-probability
     (``b_j → −∞`` hides key j): positive = the answer leans on it. Unlike scores read off the
     answer rows, it includes indirect paths (a later token that copied token j). Summed over a
     source's tokens it estimates removing the source. One forward and one backward; the backward of
     each layer materializes the attention of every row (``[heads, seq, seq]``), so without
-    checkpointing every layer keeps its own. ``checkpoint="auto"`` recomputes one layer at a time
-    when those matrices of all layers (fp32 probabilities and their gradients) would take more than
-    half the free memory; the rest is planned as for :func:`embedding_grads`.
+    checkpointing every layer keeps its own: the key-bias modifier states that term to the planner
+    (:meth:`probe.modifiers.KeyBias.memory`), and ``checkpoint="auto"`` recomputes one layer at a time
+    when the plain pass would not fit.
 
     ``depth > 0``: the gradient integrated along the path that lowers every key's bias together from
     0 to −``depth`` (integrated gradients on the key biases, midpoint rule over ``steps`` points):
@@ -375,17 +377,17 @@ def key_removal_gradient(
     targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)
     inner = hf_model(model)
     seq = ids.shape[1]
-    if checkpoint == "auto":
-        config = inner.config.get_text_config()
-        matrices = 8 * config.num_hidden_layers * config.num_attention_heads * seq**2
-        free = available_memory(input_device(inner))
-        checkpoint = free is None or matrices > free / 2
+    bias = torch.zeros(1, seq, device=ids.device, requires_grad=True)
     total = torch.zeros(seq, device=ids.device)
-    with guarded(model, seq, "embedding_grads", checkpoint, len(targets)), frozen_parameters(inner):
+    with (
+        bias_keys(inner, bias),
+        guarded(model, seq, "embedding_grads", checkpoint, len(targets)),
+        frozen_parameters(inner),
+    ):
         for point in range(steps):
-            value = -(point + 0.5) / steps * depth if depth else 0.0
-            bias = torch.full((1, seq), value, device=ids.device, requires_grad=True)
-            with torch.enable_grad(), bias_keys(inner, bias):
+            with torch.no_grad():
+                bias.fill_(-(point + 0.5) / steps * depth)
+            with torch.enable_grad():
                 (grad,) = torch.autograd.grad(answer_logprob(inner, ids, targets, target), bias)
             total += grad[0].detach().float()
     return (total / steps * (depth or 1.0)).cpu()

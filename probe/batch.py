@@ -127,7 +127,7 @@ def _sequences(input_ids, attention_mask: torch.Tensor | None) -> tuple[list[tor
 def batch_loss(model, batch: Batch, target: Target | None = None, **forward_kwargs) -> torch.Tensor:
     """Σ_b (−target / k_b of sequence b's k_b target tokens), each predicted from row t − 1.
 
-    The sum of the per-sequence losses of :func:`probe.capture.target_loss`, so the gradient with
+    The sum of the per-sequence losses of :func:`probe.target.target_loss`, so the gradient with
     respect to anything of sequence b is that of its own loss. Only the union of the rows t − 1 is
     projected to the vocabulary. ``forward_kwargs`` may pass ``inputs_embeds`` instead of ids.
     """

@@ -16,9 +16,11 @@ import pandas as pd
 import torch
 
 from probe.attribution import embedding_grads
-from probe.capture import frozen_parameters, target_loss, trace
+from probe.capture import trace
 from probe.checks import check_layers, hf_model, input_device
 from probe.objectives import denoised_embeddings, noise_tokens
+from probe.shared_state import frozen_parameters
+from probe.target import target_loss
 from probe.tasks import CATEGORIES, Sample
 
 #: Ground-truth categories moved by each named ``move`` (``"detected"``: see :func:`moved_tokens`).

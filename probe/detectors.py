@@ -37,13 +37,13 @@ from probe.attribution import (
     key_removal_gradient,
 )
 from probe.attribution import information_flow as information_flow_per_layer
-from probe.capture import frozen_parameters
 from probe.checks import check_layers, check_sample_fits, hf_model, input_device
 from probe.faithfulness import answer_scores, lds, random_masks, source_scores
 from probe.lrp import relevance
 from probe.objectives import critical_tokens
 from probe.planner import guarded
 from probe.results import read_json, write_json
+from probe.shared_state import frozen_parameters
 from probe.target import Contrast, Target, describe, target_loss_of
 from probe.tasks import Sample
 

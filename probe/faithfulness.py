@@ -31,8 +31,8 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 
-from probe.capture import mask_keys, original_positions
 from probe.checks import check_input_ids, check_sample_fits, hf_model
+from probe.modifiers import mask_keys, original_positions
 from probe.target import Target, target_value
 from probe.tasks import Sample, Source
 
@@ -72,7 +72,7 @@ def removed_positions(sources: Sequence[Source], removed: torch.Tensor) -> torch
 
 def compaction_supported(model) -> bool:
     """Whether ``model`` takes ``position_ids``, so that a pass over the kept tokens at their original
-    positions (:func:`probe.capture.original_positions`) is exact; models that derive positions
+    positions (:func:`probe.modifiers.original_positions`) is exact; models that derive positions
     otherwise (ALiBi and the like) are ablated by key masking."""
     return "position_ids" in inspect.signature(hf_model(model).forward).parameters
 

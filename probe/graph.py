@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from probe.attribution import attention_matrices
-from probe.capture import frozen_parameters
 from probe.checks import UnsupportedModelError, check_input_ids, check_layers, hf_model, n_layers
+from probe.shared_state import frozen_parameters
 
 Mix = float | str | None
 

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from probe.attribution import embedding_grads
-from probe.capture import target_loss
 from probe.checks import check_input_ids, check_positions, hf_model
 from probe.logprobs import final_hidden_states, short_logprobs, target_logprobs
 from probe.lsd import soft_influence
 from probe.planner import guarded
+from probe.target import target_loss
 
 __all__ = [
     "CDTLoss",
@@ -201,7 +201,7 @@ def sequence_logprob(
 
     ``prompt_ids`` x is [prompt] (at least one token), ``response_ids`` y is [response]; the
     model reads x + y once and only the |y| rows predicting y reach the vocabulary projection
-    (``logits_to_keep``, via :func:`probe.capture.target_loss`). The sum carries gradients.
+    (``logits_to_keep``, via :func:`probe.target.target_loss`). The sum carries gradients.
     """
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
     response = torch.as_tensor(response_ids, dtype=torch.long).reshape(-1)

@@ -29,7 +29,7 @@ input; counted once with ``torch.autograd.graph.saved_tensors_hooks`` on SmolLM2
 ``n > window``, every layer under a key mask, window or padding) also keeps the float mask sdpa
 converts the boolean one to: ``a·n`` bytes per token, one per layer (the *attention_workspace* term).
 Under longprobe's attention function (a trace or a modifier is active) a sliding layer with
-``n > 2·window`` runs in bands of one window of queries (:func:`probe.capture._windowed_sdpa`): no
+``n > 2·window`` runs in bands of one window of queries (:func:`probe.attention.runs_in_bands`): no
 float mask of ``n²``, but each band's mask and sdpa output, ``a(2·window + Hh)`` bytes per token.
 For :func:`~probe.attribution.information_flow` nothing before the first captured layer needs a
 gradient; that layer saves only ``(N−1)·4(d+1) + a·g·m`` (the part after its attention output)
@@ -38,7 +38,7 @@ and the layers before it nothing.
 **Terms** (bytes; the peak is the largest of a few phases, each a sum of terms):
 
 - ``activations``: plain: ``n·Σ S_l`` over the layers that need a gradient. Checkpointed
-  (:func:`probe.capture.checkpointed`): the layer inputs ``L_g·n·d·a`` plus one layer's
+  (:func:`probe.checkpointing.checkpointed`): the layer inputs ``L_g·n·d·a`` plus one layer's
   recomputed saved set ``n·max S_l`` (and its float mask).
 - ``layer_workspace``: transient tensors of the one layer being run. Forward (no grad, or a
   checkpointed forward): ``n·a(3m + 3d)`` (act, up and their product, the residual, the normed
@@ -90,7 +90,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from probe.capture import checkpointed, masks_active
+from probe.attention import Modifier, active_modifiers, runs_in_bands
+from probe.checkpointing import checkpointed
 from probe.checks import hf_model, input_device
 
 __all__ = [
@@ -129,11 +130,11 @@ _GIB = 2**30
 _compact_heap = False
 
 
-
 class WontFitError(MemoryError):
     """The planner's prediction that a call would not fit in the free memory, raised before any
     allocation (a :class:`MemoryError`, so ``except MemoryError`` still catches it; an allocator's own
     out-of-memory error is never this one)."""
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -315,7 +316,7 @@ def plan(
     batch: int = 1,
     checkpoint: bool = False,
     layers: Sequence[int] | None = None,
-    masked: bool = False,
+    modifiers: Sequence[Modifier] = (),
 ) -> Plan:
     """Predicted peak bytes above the loaded model of one call of ``probe`` (see the module docstring).
 
@@ -326,9 +327,11 @@ def plan(
         rows: target rows (the loss's target tokens; the captured query rows; for ``"forward"``
             the rows projected to the vocabulary).
         batch: sequences per call; ``> 1`` is assumed padded (every layer then gets a mask).
-        checkpoint: decoder layers recomputed in the backward (:func:`probe.capture.checkpointed`).
+        checkpoint: decoder layers recomputed in the backward (:func:`probe.checkpointing.checkpointed`).
         layers: captured layers (``None`` = all; negative indices allowed).
-        masked: a key mask or attention window is active (every layer gets a mask).
+        modifiers: the attention modifiers active during the call (:mod:`probe.attention`): one that
+            changes scores, masks or positions gives every layer a mask, and each adds its own terms
+            (:meth:`~probe.attention.Modifier.memory`) to every phase.
     """
     name = _ALIASES.get(probe, probe)
     if name not in PROBES:
@@ -337,11 +340,16 @@ def plan(
         raise ValueError(f"seq_len, rows and batch must be positive, got {seq_len}, {rows}, {batch}")
     shapes = model if isinstance(model, Shapes) else Shapes.of(model)
     captured = _check_layers(layers, shapes.layers)
-    phases = _phases(shapes, seq_len, name, rows, batch, bool(checkpoint), captured, masked)
+    masked = any(modifier.masks_every_layer for modifier in modifiers)
+    phases = _phases(shapes, seq_len, name, rows, batch, bool(checkpoint), captured, masked, bool(modifiers))
+    for modifier in modifiers:
+        for term, size in modifier.memory(shapes, seq_len, batch, bool(checkpoint)).items():
+            for terms in phases.values():
+                terms[term] = terms.get(term, 0) + size
     phase = max(phases, key=lambda key: sum(phases[key].values()))
     alternative = None
     if name in GRAD_PROBES and not checkpoint:
-        alternative = plan(shapes, seq_len, name, rows, batch, True, captured, masked).total
+        alternative = plan(shapes, seq_len, name, rows, batch, True, captured, modifiers).total
     return Plan(
         probe=probe,
         seq_len=seq_len,
@@ -367,15 +375,23 @@ def _check_layers(layers: Sequence[int] | None, total: int) -> list[int]:
 
 
 def _phases(
-    s: Shapes, n: int, probe: str, rows: int, batch: int, checkpoint: bool, captured: list[int], masked: bool
+    s: Shapes,
+    n: int,
+    probe: str,
+    rows: int,
+    batch: int,
+    checkpoint: bool,
+    captured: list[int],
+    masked: bool,
+    modified: bool,
 ) -> dict[str, dict[str, int]]:
     """Every phase's terms (bytes) for one call; see the module docstring for each formula."""
     a, d, m = s.act_bytes, s.hidden, s.intermediate
     everywhere = masked or batch > 1
     mask_of = [s.masked(layer, n, everywhere) for layer in range(s.layers)]
     # under longprobe's attention function a sliding layer beyond two windows runs in bands
-    banded = masked or probe in ("information_flow", "answer_attribution", "attention_rows")
-    windowed = [banded and w is not None and n > 2 * w for w in s.windows]
+    banded = modified or probe in ("information_flow", "answer_attribution", "attention_rows")
+    windowed = [banded and runs_in_bands(w, n, n) for w in s.windows]
     full_mask = [mask_of[layer] and not windowed[layer] for layer in range(s.layers)]
     kinds = {s.windows[layer] is not None for layer in range(s.layers) if mask_of[layer]}
     if everywhere:
@@ -485,7 +501,7 @@ def auto_checkpoint(
     rows: int = 16,
     batch: int = 1,
     layers: Sequence[int] | None = None,
-    masked: bool = False,
+    modifiers: Sequence[Modifier] = (),
     available_bytes: int | None = None,
 ) -> bool:
     """``checkpoint="auto"``: True when the plain pass does not fit the free memory but the
@@ -496,7 +512,7 @@ def auto_checkpoint(
     available = _available(model, available_bytes)
     if available is None:
         return False
-    plain = plan(model, seq_len, probe, rows, batch, False, layers, masked)
+    plain = plan(model, seq_len, probe, rows, batch, False, layers, modifiers)
     return plain.total > available >= (plain.checkpointed_total or 0)
 
 
@@ -508,7 +524,7 @@ def guard(
     rows: int = 16,
     batch: int = 1,
     layers: Sequence[int] | None = None,
-    masked: bool = False,
+    modifiers: Sequence[Modifier] = (),
     available_bytes: int | None = None,
 ) -> bool:
     """What a probe calls before allocating: resolve ``checkpoint`` and check the plan.
@@ -522,13 +538,13 @@ def guard(
         resolved = (
             _ALIASES.get(probe, probe) in GRAD_PROBES
             and available is not None
-            and plan(model, seq_len, probe, rows, batch, False, layers, masked).total > available
+            and plan(model, seq_len, probe, rows, batch, False, layers, modifiers).total > available
         )
     elif isinstance(checkpoint, bool):
         resolved = checkpoint
     else:
         raise ValueError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
-    plan(model, seq_len, probe, rows, batch, resolved, layers, masked).check(
+    plan(model, seq_len, probe, rows, batch, resolved, layers, modifiers).check(
         available if available is not None else 2**62
     )
     return resolved
@@ -544,13 +560,14 @@ def guarded(
     batch: int = 1,
     layers: Sequence[int] | None = None,
 ) -> Iterator[bool]:
-    """The block a probe runs its pass in: :func:`guard` (with the key masks and windows active
-    here), then :func:`probe.capture.checkpointed` if the resolved flag is set. Yields the flag.
+    """The block a probe runs its pass in: :func:`guard` (with the modifiers active here, each
+    asked for its memory), then :func:`probe.checkpointing.checkpointed` if the resolved flag is
+    set. Yields the flag.
 
     Raises :class:`WontFitError` with the plan's numbers before anything is allocated when the
     call cannot fit the free memory.
     """
-    resolved = guard(model, seq_len, probe, checkpoint, rows, batch, layers, masked=masks_active())
+    resolved = guard(model, seq_len, probe, checkpoint, rows, batch, layers, active_modifiers())
     with checkpointed(model, enabled=resolved):
         yield resolved
 

@@ -23,9 +23,10 @@ import torch
 from tqdm.auto import tqdm
 
 from probe import views
-from probe.capture import frozen_parameters, trace
+from probe.capture import trace
 from probe.checks import check_input_ids, hf_model, n_layers
 from probe.results import read_json, write_json
+from probe.shared_state import frozen_parameters
 from probe.tasks import Sample
 
 THRESHOLD = 0.1  # Wu et al.: a head that copies at least 10% of the needle is a retrieval head

@@ -12,7 +12,7 @@ the k teacher-forced answer tokens t, at least fp32) and ``answer`` LongTensor[k
 - any callable ``(logits, answer) -> 0-d tensor`` (inseq's ``attributed_fn``, captum's ``target``).
 
 Gradient probes differentiate the loss −target / k (for the default: the mean cross-entropy of the
-answer tokens, :func:`probe.capture.target_loss`); ablations (:mod:`probe.faithfulness`) report the
+answer tokens, :func:`target_loss`); ablations (:mod:`probe.faithfulness`) report the
 target itself.
 """
 
@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from probe.checks import hf_model
 
 Target = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -80,3 +82,23 @@ def describe(target: Target | None) -> str:
     if isinstance(target, Contrast):
         return f"contrast(foil={torch.as_tensor(target.foil).reshape(-1).tolist()})"
     return getattr(target, "__qualname__", repr(target))
+
+
+def target_loss(
+    model,
+    input_ids: torch.Tensor,
+    target_positions: torch.Tensor,
+    target: Target | None = None,
+    **forward_kwargs,
+) -> torch.Tensor:
+    """−target / k for the k tokens at ``target_positions``, predicted from rows ``t − 1`` (the
+    default target: their mean cross-entropy).
+
+    Only the needed rows are projected to the vocabulary (``logits_to_keep``), never the
+    full ``[seq, vocab]`` logits. ``forward_kwargs`` may pass ``inputs_embeds`` instead of ids.
+    """
+    inner = hf_model(model)
+    if "inputs_embeds" not in forward_kwargs:
+        forward_kwargs["input_ids"] = input_ids
+    logits = inner(use_cache=False, logits_to_keep=target_positions - 1, **forward_kwargs).logits
+    return target_loss_of(target, logits[0], input_ids[0, target_positions])

@@ -212,10 +212,10 @@ def test_checkpointed_layers_recompute_and_record_once(tiny, monkeypatch):
     plain_flow = probe.information_flow(tiny, ids, targets)
     plain_grads = probe.embedding_grads(tiny, ids, targets)
     calls = []
-    original = probe.capture._pattern_blocks
+    original = probe.capture.pattern_blocks
     counted = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(probe.capture, "_pattern_blocks", counted)
-    with probe.capture.checkpointed(tiny):
+    monkeypatch.setattr(probe.capture, "pattern_blocks", counted)
+    with probe.checkpointing.checkpointed(tiny):
         flow = probe.information_flow(tiny, ids, targets)
         with probe.trace(tiny, rows=targets - 1, grad=True) as cache:
             embeds = tiny.get_input_embeddings()(ids).detach().requires_grad_(True)
@@ -233,18 +233,20 @@ def test_checkpointed_recomputation_keeps_the_modifiers(tiny):
     targets = torch.tensor([11, SEQ - 1])
     with probe.mask_keys(tiny, [2, 5, 9]), probe.attention_window(tiny, 8):
         plain = probe.information_flow(tiny, ids, targets)
-        with probe.capture.checkpointed(tiny):
+        with probe.checkpointing.checkpointed(tiny):
             checkpointed = probe.information_flow(tiny, ids, targets)
     assert (checkpointed - plain).abs().max() <= 1e-6
 
 
 def test_checkpointed_refuses_a_kv_cache_and_models_without_layers(tiny, monkeypatch):
-    with probe.capture.checkpointed(tiny), pytest.raises(ValueError, match="use_cache=False"):
+    with probe.checkpointing.checkpointed(tiny), pytest.raises(ValueError, match="use_cache=False"):
         tiny(input_ids=random_ids(tiny), use_cache=True)
     assert not any("forward" in vars(module) for module in tiny.modules())
-    monkeypatch.setattr(probe.capture, "GradientCheckpointingLayer", type("Other", (torch.nn.Module,), {}))
+    monkeypatch.setattr(
+        probe.checkpointing, "GradientCheckpointingLayer", type("Other", (torch.nn.Module,), {})
+    )
     with pytest.raises(UnsupportedModelError, match="GradientCheckpointingLayer"):
-        with probe.capture.checkpointed(tiny):
+        with probe.checkpointing.checkpointed(tiny):
             pass
 
 
@@ -271,13 +273,13 @@ def test_bf16_rows_are_recomputed_in_fp32_and_stay_close_to_fp64(tiny):
 
 def test_sliding_layers_attend_in_bands_exactly(monkeypatch):
     """Beyond two windows, a sliding layer's attention runs in bands of one window of queries and their
-    reachable keys (probe.capture._windowed_sdpa); logits and information flow equal eager attention."""
+    reachable keys (probe.attention._windowed_sdpa); logits and information flow equal eager attention."""
     model = probe.tiny_model("gemma3")  # window 6; layers 0 and 2 slide
     ids = random_ids(model, seq=50)
     targets = torch.tensor([30, 49])
     bands = []
-    real = probe.capture._windowed_sdpa
-    monkeypatch.setattr(probe.capture, "_windowed_sdpa", lambda *a, **k: bands.append(1) or real(*a, **k))
+    real = probe.attention._windowed_sdpa
+    monkeypatch.setattr(probe.attention, "_windowed_sdpa", lambda *a, **k: bands.append(1) or real(*a, **k))
     flow = probe.information_flow(model, ids, targets)
     assert len(bands) == 2  # the two sliding layers, once each
     assert (flow - information_flow_reference(model, ids, targets)).abs().max() <= 1e-5

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 import probe
-from probe import capture, checks, denoise, detectors, planner, tasks
+from probe import checkpointing, checks, denoise, detectors, planner, tasks
 from probe.models import converted_folder
 from probe.objectives import cdt_loss
 
@@ -76,10 +76,10 @@ PROBES = {
 def _run_counting(monkeypatch, run, *args) -> tuple[list[torch.Tensor], int]:
     """``run(*args)`` as a list of tensors, and how many times a decoder layer was checkpointed."""
     calls = []
-    real = capture.checkpoint
-    monkeypatch.setattr(capture, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = checkpointing.checkpoint
+    monkeypatch.setattr(checkpointing, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = run(*args)
-    monkeypatch.setattr(capture, "checkpoint", real)
+    monkeypatch.setattr(checkpointing, "checkpoint", real)
     return (list(out) if isinstance(out, list) else [out]), len(calls)
 
 
@@ -151,7 +151,7 @@ def test_attention_rows_are_guarded_too(monkeypatch, tiny):
 
 def test_nested_checkpointing_restores_only_its_own_layers(tiny):
     ids, targets = torch.randint(0, 128, (1, 40)), torch.arange(30, 40)
-    with capture.checkpointed(tiny):
+    with checkpointing.checkpointed(tiny):
         wrapped = [vars(m)["forward"] for m in tiny.modules() if "forward" in vars(m)]
         probe.information_flow(tiny, ids, targets, checkpoint=True)
         assert [vars(m)["forward"] for m in tiny.modules() if "forward" in vars(m)] == wrapped

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from analyses import detector_compare
+from analyses import comparison, detector_compare
 from probe import detectors, faithfulness, tasks
 
 KS = faithfulness.KS
@@ -16,7 +16,7 @@ KS = faithfulness.KS
 @pytest.fixture(scope="module")
 def names(tiny_model_folder):
     """The default detectors for the tiny model: no bundled head weights fit it, so no at2."""
-    return detector_compare.default_detectors(AutoModelForCausalLM.from_pretrained(tiny_model_folder))
+    return comparison.default_detectors(AutoModelForCausalLM.from_pretrained(tiny_model_folder))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_the_default_set_holds_the_one_pass_detectors_and_the_exact_reference(na
     assert {"attention", "information_flow", "key_removal_grad", "grad_times_input", "leave_one_out"} <= set(
         names
     )
-    assert set(detector_compare.DEFAULT_DETECTORS) - set(names) == {"at2"}
+    assert set(comparison.DEFAULT_DETECTORS) - set(names) == {"at2"}
 
 
 def test_intervals_give_each_scorer_and_its_differences_from_the_baselines(run):
@@ -73,14 +73,14 @@ def test_intervals_give_each_scorer_and_its_differences_from_the_baselines(run):
 def test_faithfulness_csv_has_one_row_per_sample_and_scorer(run, names):
     _, out, tag = run
     faithful = pd.read_csv(out / f"detector_{tag}_faithfulness.csv")
-    scorers = [*names, *detector_compare.REFERENCES]
+    scorers = [*names, *comparison.REFERENCES]
     assert len(faithful) == 2 * len(scorers) and set(faithful.scorer) == set(scorers)
     expected = {"task", "seed", "correct", "scorer", "kind", "full_logprob", "lds", "n_sources"}
     expected |= {f"{metric}_k{k}" for metric in ("comprehensiveness", "sufficiency") for k in KS}
     expected |= {"aopc_comprehensiveness", "aopc_sufficiency", "source_reduce", "n_masks", "model", "length"}
     expected |= {"seconds", "ablation"}
     assert expected <= set(faithful.columns)
-    assert set(faithful.kind[faithful.scorer.isin(detector_compare.REFERENCES)]) == {"reference"}
+    assert set(faithful.kind[faithful.scorer.isin(comparison.REFERENCES)]) == {"reference"}
     assert (faithful.source_reduce == "mean").all() and (faithful.n_masks == 8).all()
     assert faithful.groupby(["task", "seed"]).full_logprob.nunique().eq(1).all()  # one unmasked pass a sample
     aopc = faithful[[f"comprehensiveness_k{k}" for k in KS]].mean(axis=1)
@@ -94,7 +94,7 @@ def test_rank_table_sets_plausibility_beside_faithfulness(run, names):
     expected |= {"rank_plausibility", "rank_comprehensiveness", "rank_LDS"}
     assert expected <= set(ranks.columns)
     assert set(ranks.detector) == set(names)  # detectors only, no references
-    assert "all" in set(ranks.answer) and set(ranks.answer) <= set(detector_compare.ANSWERS)
+    assert "all" in set(ranks.answer) and set(ranks.answer) <= set(comparison.ANSWERS)
     for _, group in ranks.groupby("answer"):
         for column in ("rank_plausibility", "rank_comprehensiveness", "rank_LDS"):
             assert group[column].between(1, len(group)).all()
@@ -113,12 +113,12 @@ def test_source_scorers_use_an_ablation_detectors_own_source_scores(tiny_model_f
         "tokens": detectors.Detection(scores, scores > 0.5, {}),
         "ablation": detectors.Detection(scores, scores > 0.5, {}, details={"source_scores": own}),
     }
-    scorers = detector_compare.source_scorers(found, sample, reduce="max")
+    scorers = comparison.source_scorers(found, sample, reduce="max")
     assert list(scorers) == ["tokens", "ablation", "ground_truth", "random_sources"]
     assert torch.equal(scorers["tokens"], faithfulness.source_scores(scores, sample.sources, "max"))
     assert torch.equal(scorers["ablation"], own)
     assert torch.equal(scorers["ground_truth"], faithfulness.ground_truth_scores(sample))
-    again = detector_compare.source_scorers(found, sample)["random_sources"]
+    again = comparison.source_scorers(found, sample)["random_sources"]
     assert torch.equal(scorers["random_sources"], again) and again.shape == (n_sources,)  # seeded
 
 

@@ -3,7 +3,7 @@ prefix-cache reuse against uncached passes, the ablation detectors against hand 
 LDS on a planted additive model, and a hand-built model whose answer depends on one needle.
 
 Compacted passes (only the kept tokens, at their original positions) against key masking: every
-mask is measured in original positions (:func:`probe.capture.original_positions`), so the
+mask is measured in original positions (:func:`probe.modifiers.original_positions`), so the
 Gemma-3-style sliding windows, smaller here than the gaps a removed source opens, count positions
 and not kept tokens; without that map the result is wrong (checked, so these tests can fail). Tiny
 Llama and Gemma 3, nested modifiers, the architecture zoo, the real models at 1K."""
@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 import probe
 from probe import faithfulness, tasks
-from probe.capture import original_positions
+from probe.modifiers import original_positions
 from probe.retrieval import needle_answer_positions
 
 ATOL = 1e-5

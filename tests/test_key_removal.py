@@ -8,7 +8,7 @@ from reference import explicit_masks
 import probe
 from probe import detectors
 from probe.attribution import answer_logprob, key_removal_gradient
-from probe.capture import bias_keys
+from probe.modifiers import bias_keys
 
 SEQ = 24
 TARGETS = torch.tensor([21, 22, 23])

@@ -234,7 +234,7 @@ def test_attention_window_equals_truncation_in_one_layer(ids):
 def test_attention_window_changes_attention_and_is_restored(tiny, ids):
     before = full_logprobs(tiny, ids)
     with probe.attention_window(tiny, 4):
-        assert tiny.config._attn_implementation == probe.capture.IMPLEMENTATION
+        assert tiny.config._attn_implementation == probe.attention.IMPLEMENTATION
         windowed = full_logprobs(tiny, ids)
         generated = tiny.generate(ids[None, :20], max_new_tokens=3, do_sample=False)
     torch.testing.assert_close(windowed[:4], before[:4], atol=1e-5, rtol=0)  # the first 4 see no more

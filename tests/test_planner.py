@@ -15,6 +15,7 @@ import torch
 import probe
 from probe import planner
 from probe.capture import trace
+from probe.modifiers import KeyMask
 from probe.planner import Plan, Shapes, auto_checkpoint, guard, plan
 
 GRAD = ("information_flow", "answer_attribution", "embedding_grads")
@@ -89,7 +90,8 @@ def test_sliding_window_masks_only_beyond_the_window():
     assert banded == 300 * 4 * (2 * 6 + 2 * 8)  # layer 2's band masks and band outputs
     llama = probe.tiny_model("llama")
     assert plan(llama, 300).terms["masks"] == 0
-    assert plan(llama, 300, masked=True).terms["masks"] == 300 * 300
+    key_mask = KeyMask(torch.zeros(1, 300, dtype=torch.bool))
+    assert plan(llama, 300, modifiers=[key_mask]).terms["masks"] == 300 * 300
 
 
 def test_check_raises_with_the_numbers_and_the_advice(deep):
@@ -207,7 +209,7 @@ def test_predicted_activations_equal_the_bytes_autograd_saves(arch, name, layers
             probe.embedding_grads(model, ids, targets)
             return None
         with (
-            probe.capture.frozen_parameters(model),
+            probe.shared_state.frozen_parameters(model),
             torch.enable_grad(),
             trace(model, rows=targets - 1, layers=layers, grad=True) as cache,
         ):

@@ -4,6 +4,8 @@ import pandas as pd
 import pytest
 
 from analyses import position_bias
+from analyses.position_bias.controlled import Study, controlled_study
+from analyses.position_bias.presets import PRESETS
 
 FIGURES = ("gaps", "attention_maps", "sinks", "selector_depth", "theory")
 
@@ -35,7 +37,7 @@ def test_smoke_run_writes_every_figure(tmp_path):
 def test_options_override_the_preset():
     preset, _ = position_bias.parse_args(["--smoke", "--steps", "7", "--seeds", "1", "2", "--n-layers", "3"])
     assert (preset.steps, preset.seeds, preset.n_layers, preset.test_size) == (7, (1, 2), (3,), 200)
-    assert position_bias.parse_args([])[0] == position_bias.PRESETS["quick"]
+    assert position_bias.parse_args([])[0] == PRESETS["quick"]
 
 
 def test_layer_options():
@@ -48,8 +50,8 @@ def test_the_study_is_a_sweep_that_resumes_with_the_same_numbers(tmp_path):
     argv = ["--smoke", "--parts", "study", "--no-progress", "--seeds", "0", "1"]
     fresh = position_bias.main([*argv, "--out", str(tmp_path / "fresh")])
     parts = tmp_path / "resumed" / ".position_bias_parts"
-    study = position_bias.Study(position_bias.parse_args(argv)[0])
-    position_bias.controlled_study(study, progress=False, parts=parts)  # a run killed after the sweep
+    study = Study(position_bias.parse_args(argv)[0])
+    controlled_study(study, progress=False, parts=parts)  # a run killed after the sweep
     (parts / "RoPE__2__True.pkl").unlink()  # ... or before its last job
     resumed = position_bias.main([*argv, "--resume", "--out", str(tmp_path / "resumed")])
     for name in ("gaps", "sinks", "selector_depth", "attention_maps"):

@@ -159,7 +159,6 @@ def virtual_device() -> Iterator[str]:
     found = probe.planner.available_memory
     with (
         mock.patch("probe.planner.available_memory", available_memory),
-        mock.patch("probe.attribution.available_memory", available_memory),
         mock.patch("torch.inference_mode", torch.no_grad),  # inference tensors refuse wrapper subclasses
         _Methods(),
         _Checks(),

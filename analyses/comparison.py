@@ -1,0 +1,284 @@
+"""Detectors judged on the same samples: plausibility, faithfulness and the tables that set them side by side.
+
+The library behind ``python -m analyses.detector_compare`` (which adds the figures and the command
+line): :func:`compare_samples` runs every detector on a batch of samples and judges it two ways,
+plausibility (:func:`probe.metrics.evaluate`) and faithfulness (:func:`judge_faithfulness`);
+:func:`rank_table`, :func:`faithfulness_intervals` and :func:`ranks_markdown` summarise the rows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from analyses import stats
+from probe import detectors, faithfulness, metrics, tasks
+from probe.at2 import HeadWeights
+from probe.generation import answer
+
+ONE_PASS = (*detectors.SHARED_PASS, "key_removal_grad", "attn_lrp")  # one forward+backward a sample
+DEFAULT_DETECTORS = [*ONE_PASS, "lsd", "lexical_overlap", "recency", "leave_one_out"]
+REFERENCES = ("ground_truth", "random_sources")
+BASELINES = ("attention", "leave_one_out")  # every scorer's difference from these, with intervals
+INTERVAL_METRICS = ("aopc_comprehensiveness", "aopc_sufficiency", "lds")
+LAYER_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
+RANKED = {"auroc": "plausibility", "aopc_comprehensiveness": "comprehensiveness", "lds": "LDS"}
+ANSWERS = {"correct": "answered correctly", "wrong": "answered wrongly", "all": "all answers"}
+
+
+def default_detectors(model) -> list[str]:
+    """:data:`DEFAULT_DETECTORS`, less ``at2`` where no bundled head weights fit ``model``."""
+    return [name for name in DEFAULT_DETECTORS if name != "at2" or HeadWeights.bundled(model) is not None]
+
+
+def layer_enrichment(per_layer: torch.Tensor, sample: tasks.Sample) -> pd.DataFrame:
+    """Per layer and category: mean score per token of the category / mean score per context token.
+
+    ``per_layer`` is [layers, seq]. 1 means a category gets its size's worth of the measure;
+    noise covers most of the context, so raw shares would mostly show category sizes.
+    """
+    context = sample.prompt_length
+    frame = pd.DataFrame(per_layer[:, :context].T.numpy())
+    labels = sample.categories[:context]
+    frame["category"] = [label if label in LAYER_CATEGORIES else "other" for label in labels]
+    enrichment = frame.groupby("category").mean() / frame.drop(columns="category").mean()
+    enrichment = enrichment.reindex(LAYER_CATEGORIES).dropna()
+    return (
+        enrichment.rename_axis("category")
+        .reset_index()
+        .melt("category", var_name="layer", value_name="enrichment")
+    )
+
+
+def source_scorers(
+    found: dict[str, detectors.Detection], sample: tasks.Sample, reduce: str = "mean"
+) -> dict[str, torch.Tensor]:
+    """Scorer name → Tensor[sources]: every detection's source scores, then the two references.
+
+    :meth:`probe.detectors.Detection.source_scores`: a detector's own source scores (ablation and
+    additive detectors), else ``reduce`` over each source's tokens.
+    ``ground_truth`` scores the supporting facts 1; ``random_sources`` is uniform, seeded by the sample.
+    """
+    scores = {name: detection.source_scores(sample, reduce) for name, detection in found.items()}
+    scores["ground_truth"] = faithfulness.ground_truth_scores(sample)
+    random = np.random.default_rng(sample.seed).random(len(sample.sources))  # not torch's stream of the masks
+    scores["random_sources"] = torch.tensor(random, dtype=torch.float32)
+    return scores
+
+
+def compare_samples(
+    model,
+    tokenizer,
+    samples: list[tasks.Sample],
+    names: list[str],
+    top_k: int,
+    max_new_tokens: int,
+    options: dict[str, dict] | None = None,
+    source_reduce: str = "mean",
+    n_masks: int = 32,
+    seed: int = 0,
+    batch_size: int = 1,
+    pages: Path | None = None,
+    ks: Sequence[int] = faithfulness.KS,
+) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
+    """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on ``samples``.
+
+    ``options[name]`` go to detector ``name``; the attention family of all ``samples`` comes from one
+    batched pass (:func:`probe.detectors.detect_many`); faithfulness as :func:`judge_faithfulness`,
+    ``batch_size`` masked passes at a time. Each row carries the detector's cost on its sample:
+    ``seconds`` (the shared pass's time for the detectors read off it) and ``passes`` (forward or
+    forward+backward passes: 1 for a one-pass detector, 0 for a model-free one, the ablation
+    detectors' own count). ``pages``: write each detector's token view of the first sample there
+    (``{pages}_{name}.html``).
+    """
+    rows, layers, faithful = [], [], []
+    options = options or {}
+    shared = [name for name in names if name in detectors.SHARED_PASS]
+    start = time.perf_counter()
+    found_all = (
+        detectors.detect_many(shared, model, tokenizer, samples, options) if shared else [{}] * len(samples)
+    )
+    seconds = [dict.fromkeys(shared, (time.perf_counter() - start) / len(samples)) for _ in samples]
+    for sample, found, cost in zip(samples, found_all, seconds, strict=True):
+        for name in names:
+            if name not in shared:
+                start = time.perf_counter()
+                found[name] = detectors.detect(name, model, tokenizer, sample, **options.get(name, {}))
+                cost[name] = time.perf_counter() - start
+    found_all = [{name: found[name] for name in names} for found in found_all]
+    for name, detection in found_all[0].items() if pages is not None else ():
+        detection.save_html(pages.with_name(f"{pages.name}_{name}.html"))
+    for sample, found, cost in zip(samples, found_all, seconds, strict=True):
+        generated = answer(model, tokenizer, sample, max_new_tokens)
+        about = {
+            "task": sample.task,
+            "seed": sample.seed,
+            "generated": generated,
+            "correct": bool(sample.score(generated)),
+        }
+        for name, detection in found.items():
+            rows.append(
+                {
+                    "detector": name,
+                    **about,
+                    **metrics.evaluate(detection, sample, top_k),
+                    **_diagnostics(detection),
+                    "seconds": cost[name],
+                    "passes": detection.details.get("passes", int(name in ONE_PASS)),
+                }
+            )
+            if name in ("attention", "information_flow"):
+                layers.append(
+                    layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
+                )
+        judged = judge_faithfulness(model, sample, found, source_reduce, n_masks, seed, batch_size, ks)
+        judged["seconds"] = judged.scorer.map(cost)
+        faithful.append(judged.assign(**about))
+    return rows, layers, pd.concat(faithful, ignore_index=True)
+
+
+def judge_faithfulness(
+    model,
+    sample: tasks.Sample,
+    found: dict[str, detectors.Detection],
+    source_reduce: str = "mean",
+    n_masks: int = 32,
+    seed: int = 0,
+    batch_size: int = 1,
+    ks: Sequence[int] = faithfulness.KS,
+) -> pd.DataFrame:
+    """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
+    ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``),
+    ``ablation`` (compaction or key masking)."""
+    scorers = source_scorers(found, sample, source_reduce)
+    faithful = faithfulness.evaluate(
+        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size
+    )
+    faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
+    return faithful.assign(source_reduce=source_reduce, n_masks=n_masks, ablation=faithful.attrs["ablation"])
+
+
+def _diagnostics(detection: detectors.Detection) -> dict:
+    """A detection's scalar diagnostics (its float ``details``), for its plausibility row."""
+    return {key: value for key, value in detection.details.items() if isinstance(value, float)}
+
+
+def answer_label(correct: pd.Series) -> pd.Series:
+    """``correct`` / ``wrong`` for each sample's bool ``correct``."""
+    return correct.map({True: "correct", False: "wrong"})
+
+
+def deletion_curves(faithful: pd.DataFrame) -> pd.DataFrame:
+    """Long form of the comprehensiveness columns: one row per sample, scorer and k (``drop`` in nats)."""
+    ks = [int(c.removeprefix("comprehensiveness_k")) for c in faithful if c.startswith("comprehensiveness_k")]
+    curves = faithful.melt(
+        id_vars=["task", "seed", "scorer", "kind", "correct"],
+        value_vars=[f"comprehensiveness_k{k}" for k in ks],
+        var_name="k",
+        value_name="drop",
+    )
+    curves["k"] = curves.k.str.removeprefix("comprehensiveness_k").astype(int)
+    return curves.assign(answer=answer_label(curves.correct))
+
+
+def _by_answer(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` once per answer group: correct, wrong, and all samples (column ``answer``)."""
+    labelled = frame.assign(answer=answer_label(frame.correct))
+    return pd.concat([labelled, frame.assign(answer="all")], ignore_index=True)
+
+
+def rank_table(table: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
+    """Per answer group and detector: mean AUROC, AOPC of comprehensiveness and LDS, each with its
+    rank among the detectors (1 = best; NaN means rank last), the mean seconds a sample, and the
+    number of samples."""
+    plausible = _by_answer(table).groupby(["answer", "detector"]).auroc.mean()
+    detectors_only = faithful[faithful.kind == "detector"].rename(columns={"scorer": "detector"})
+    grouped = _by_answer(detectors_only).groupby(["answer", "detector"])
+    causal = grouped[
+        ["comprehensiveness_k1", "aopc_comprehensiveness", "aopc_sufficiency", "lds", "seconds"]
+    ].mean()
+    ranks = causal.join(plausible).join(grouped.seed.size().rename("samples")).reset_index()
+    for column, name in RANKED.items():
+        ranks[f"rank_{name}"] = (
+            ranks.groupby("answer")[column]
+            .rank(ascending=False, method="min", na_option="bottom")
+            .astype(int)
+        )
+    ranks["answer"] = pd.Categorical(ranks.answer, list(ANSWERS))
+    return ranks.sort_values(["answer", "rank_plausibility"]).reset_index(drop=True)
+
+
+def ranks_markdown(ranks: pd.DataFrame, intervals: pd.DataFrame) -> str:
+    """The rank table as GitHub markdown, one table per answer group, with the 95 % bootstrap
+    intervals of AOPC and LDS (``intervals``: :func:`faithfulness_intervals`) and the cost."""
+    header = (
+        "| detector | AUROC | rank | comp. k=1 (nats) | AOPC comp. (nats) [95 % CI] | rank "
+        "| LDS [95 % CI] | rank | s / sample |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    own = intervals[intervals.versus == ""].set_index(["answer", "scorer", "metric"])
+
+    def ci(group: str, detector: str, metric: str) -> str:
+        row = own.loc[(group, detector, metric)]
+        return (
+            f"{row.value:.2f} [{row.low:.2f}, {row.high:.2f}]" if np.isfinite(row.low) else f"{row.value:.2f}"
+        )
+
+    parts = []
+    for group, part in ranks.groupby("answer", observed=True):
+        lines = [
+            f"| `{r.detector}` | {r.auroc:.2f} | {r.rank_plausibility} | {r.comprehensiveness_k1:.2f} "
+            f"| {ci(group, r.detector, 'aopc_comprehensiveness')} | {r.rank_comprehensiveness} "
+            f"| {ci(group, r.detector, 'lds')} | {r.rank_LDS} | {r.seconds:.1f} |"
+            for r in part.itertuples()
+        ]
+        n = int(part.samples.max())
+        title = f"### {ANSWERS[group].capitalize()} ({n} sample{'s' * (n != 1)})"
+        parts.append(f"{title}\n\n{header}\n" + "\n".join(lines))
+    return "\n\n".join(parts) + "\n\nRank 1 = best (AUROC: plausibility; AOPC and LDS: faithfulness).\n"
+
+
+def faithfulness_intervals(faithful: pd.DataFrame) -> pd.DataFrame:
+    """Per answer group, scorer and metric (:data:`INTERVAL_METRICS`): the mean over samples with its
+    95 % bootstrap interval (``versus`` empty), and the mean paired difference from each of
+    :data:`BASELINES` that ran (``versus`` = its name), with its interval. NaN values (a constant
+    scorer has no LDS) are left out; ``samples`` counts the rest."""
+    rows = []
+    grouped = _by_answer(faithful)
+    for (group, scorer), part in grouped.groupby(["answer", "scorer"], sort=False):
+        for metric in INTERVAL_METRICS:
+            rows.append(_interval(part[metric], answer=group, scorer=scorer, metric=metric, versus=""))
+    for metric in INTERVAL_METRICS:
+        wide = grouped.pivot_table(
+            index=["answer", "task", "seed"], columns="scorer", values=metric, dropna=False
+        )
+        for baseline in [b for b in BASELINES if b in wide]:
+            for scorer in [s for s in wide if s != baseline]:
+                for group, part in (wide[scorer] - wide[baseline]).groupby(level="answer", sort=False):
+                    rows.append(_interval(part, answer=group, scorer=scorer, metric=metric, versus=baseline))
+    return pd.DataFrame([row for row in rows if row is not None])
+
+
+def _interval(values: pd.Series, **about) -> dict | None:
+    """``about`` with the mean of ``values`` and its bootstrap interval; None when every value is NaN."""
+    if values.isna().all():
+        return None
+    estimate = stats.bootstrap(values.to_numpy())
+    return {
+        **about,
+        "value": estimate.value,
+        "low": estimate.low,
+        "high": estimate.high,
+        "samples": estimate.n,
+    }
+
+
+def faithfulness_summary(faithful: pd.DataFrame) -> pd.DataFrame:
+    """Mean comprehensiveness at k = 1, AOPC (comprehensiveness, sufficiency) and LDS per answer
+    group and scorer, references included."""
+    columns = ["comprehensiveness_k1", "aopc_comprehensiveness", "aopc_sufficiency", "lds"]
+    return _by_answer(faithful).groupby(["answer", "scorer"], sort=False)[columns].mean().reset_index()
