@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -26,6 +27,9 @@ from probe.shared_state import frozen_parameters
 from probe.target import Target, target_value
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
+OneIds = torch.Tensor | Sequence[int]  # one sequence: LongTensor[seq] / [1, seq], or a list of ids
+Positions = torch.Tensor | Sequence[int]  # positions in one sequence
+EachPositions = Sequence[torch.Tensor] | Sequence[Sequence[int]]  # one list of positions per sequence
 
 
 def _batch(model, input_ids: Ids, positions, attention_mask, what: str, minimum: int) -> tuple[Batch, bool]:
@@ -46,11 +50,33 @@ def _one_or_all(results: list, single: bool):
     return results[0] if single else results
 
 
+@overload
+def attention_rows(
+    model,
+    input_ids: OneIds,
+    rows: Positions,
+    layers: Sequence[int] | None = ...,
+    inputs_embeds: torch.Tensor | None = ...,
+    attention_mask: None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention_rows(
+    model,
+    input_ids: Ids,
+    rows: EachPositions,
+    layers: Sequence[int] | None = ...,
+    inputs_embeds: torch.Tensor | None = ...,
+    attention_mask: torch.Tensor | None = ...,
+) -> list[torch.Tensor]: ...
+
+
 @torch.no_grad()
 def attention_rows(
     model,
     input_ids: Ids,
-    rows: Sequence[int] | Sequence[Sequence[int]],
+    rows: Positions | EachPositions,
     layers: Sequence[int] | None = None,
     inputs_embeds: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -92,10 +118,31 @@ def _model_inputs(model, ids: torch.Tensor, inputs_embeds: torch.Tensor | None) 
     return {"inputs_embeds": inputs_embeds[None].to(input_device(model))}
 
 
+@overload
+def attention_matrices(
+    model,
+    input_ids: OneIds,
+    layers: Sequence[int] | None = ...,
+    block_size: int = ...,
+    on_layer: None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention_matrices(
+    model,
+    input_ids: OneIds,
+    layers: Sequence[int] | None = ...,
+    block_size: int = ...,
+    *,
+    on_layer: Callable[[int, torch.Tensor], None],
+) -> None: ...
+
+
 @torch.no_grad()
 def attention_matrices(
     model,
-    input_ids: torch.Tensor | Sequence[int],
+    input_ids: OneIds,
     layers: Sequence[int] | None = None,
     block_size: int = 256,
     on_layer: Callable[[int, torch.Tensor], None] | None = None,
@@ -137,10 +184,36 @@ def flow_from_pattern(
     return saliency.abs().sum(dim=(1, 2))
 
 
+@overload
+def information_flow(
+    model,
+    input_ids: OneIds,
+    target_positions: Positions,
+    layers: Sequence[int] | None = ...,
+    reduce: str = ...,
+    checkpoint: bool | str = ...,
+    attention_mask: None = ...,
+    target: Target | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
 def information_flow(
     model,
     input_ids: Ids,
-    target_positions: Sequence[int] | Sequence[Sequence[int]],
+    target_positions: EachPositions,
+    layers: Sequence[int] | None = ...,
+    reduce: str = ...,
+    checkpoint: bool | str = ...,
+    attention_mask: torch.Tensor | None = ...,
+    target: Target | None = ...,
+) -> list[torch.Tensor]: ...
+
+
+def information_flow(
+    model,
+    input_ids: Ids,
+    target_positions: Positions | EachPositions,
     layers: Sequence[int] | None = None,
     reduce: str = "sum_then_abs",
     checkpoint: bool | str = "auto",
@@ -190,10 +263,34 @@ def information_flow(
     return _one_or_all(flows, single)
 
 
+@overload
+def embedding_grads(
+    model,
+    input_ids: OneIds,
+    target_positions: Positions,
+    inputs_embeds: torch.Tensor | None = ...,
+    checkpoint: bool | str = ...,
+    attention_mask: None = ...,
+    target: Target | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
 def embedding_grads(
     model,
     input_ids: Ids,
-    target_positions: Sequence[int] | Sequence[Sequence[int]],
+    target_positions: EachPositions,
+    inputs_embeds: torch.Tensor | None = ...,
+    checkpoint: bool | str = ...,
+    attention_mask: torch.Tensor | None = ...,
+    target: Target | None = ...,
+) -> list[torch.Tensor]: ...
+
+
+def embedding_grads(
+    model,
+    input_ids: Ids,
+    target_positions: Positions | EachPositions,
     inputs_embeds: torch.Tensor | None = None,
     checkpoint: bool | str = "auto",
     attention_mask: torch.Tensor | None = None,
@@ -224,10 +321,34 @@ def embedding_grads(
     return _one_or_all([grad[b, : batch.lengths[b]] for b in range(len(batch))], single)
 
 
+@overload
+def embedding_grad_norms(
+    model,
+    input_ids: OneIds,
+    target_positions: Positions,
+    p: float = ...,
+    checkpoint: bool | str = ...,
+    attention_mask: None = ...,
+    target: Target | None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
 def embedding_grad_norms(
     model,
     input_ids: Ids,
-    target_positions: Sequence[int] | Sequence[Sequence[int]],
+    target_positions: EachPositions,
+    p: float = ...,
+    checkpoint: bool | str = ...,
+    attention_mask: torch.Tensor | None = ...,
+    target: Target | None = ...,
+) -> list[torch.Tensor]: ...
+
+
+def embedding_grad_norms(
+    model,
+    input_ids: Ids,
+    target_positions: Positions | EachPositions,
     p: float = 2,
     checkpoint: bool | str = "auto",
     attention_mask: torch.Tensor | None = None,
@@ -285,10 +406,34 @@ class AnswerAttribution:
         return -len(self.rows) * (self.embeddings.float() * self.embedding_grad.float()).sum(-1)
 
 
+@overload
+def answer_attribution(
+    model,
+    input_ids: OneIds,
+    target_positions: Positions,
+    layers: Sequence[int] | None = ...,
+    checkpoint: bool | str = ...,
+    attention_mask: None = ...,
+    target: Target | None = ...,
+) -> AnswerAttribution: ...
+
+
+@overload
 def answer_attribution(
     model,
     input_ids: Ids,
-    target_positions: Sequence[int] | Sequence[Sequence[int]],
+    target_positions: EachPositions,
+    layers: Sequence[int] | None = ...,
+    checkpoint: bool | str = ...,
+    attention_mask: torch.Tensor | None = ...,
+    target: Target | None = ...,
+) -> list[AnswerAttribution]: ...
+
+
+def answer_attribution(
+    model,
+    input_ids: Ids,
+    target_positions: Positions | EachPositions,
     layers: Sequence[int] | None = None,
     checkpoint: bool | str = "auto",
     attention_mask: torch.Tensor | None = None,

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import pandas as pd
@@ -241,6 +241,14 @@ def check_detection_of(detection: Detection, sample: Sample) -> None:
         )
 
 
+@overload
+def detect(name: str, model, tokenizer, sample: Sample, **options) -> Detection: ...
+
+
+@overload
+def detect(name: str, model, tokenizer, sample: Sequence[Sample], **options) -> list[Detection]: ...
+
+
 def detect(
     name: str, model, tokenizer, sample: Sample | Sequence[Sample], **options
 ) -> Detection | list[Detection]:
@@ -291,6 +299,28 @@ def attribute(
 
 
 SHARED_PASS = ("attention", "fr", "embedding_grad", "information_flow", "grad_times_input", "at2")
+
+
+@overload
+def detect_many(
+    names: Sequence[str],
+    model,
+    tokenizer,
+    sample: Sample,
+    options: Mapping[str, Mapping[str, Any]] | None = ...,
+    checkpoint: bool | str = ...,
+) -> dict[str, Detection]: ...
+
+
+@overload
+def detect_many(
+    names: Sequence[str],
+    model,
+    tokenizer,
+    sample: Sequence[Sample],
+    options: Mapping[str, Mapping[str, Any]] | None = ...,
+    checkpoint: bool | str = ...,
+) -> list[dict[str, Detection]]: ...
 
 
 def detect_many(

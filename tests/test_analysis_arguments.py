@@ -8,31 +8,21 @@ import pytest
 import torch
 
 import probe
-from analyses import (
-    arguments,
-    attribute,
-    detector_compare,
-    learn_head_weights,
-    longppl,
-    noise_restraint,
-    objectives,
-    position_bias,
-    retrieval_heads,
-    task_accuracy,
-)
+from analyses import arguments
 from analyses.sweep import process_device
 
-MODULES = [
-    attribute,
-    detector_compare,
-    learn_head_weights,
-    longppl,
-    noise_restraint,
-    objectives,
-    position_bias,
-    retrieval_heads,
-    task_accuracy,
+ANALYSES = [
+    "attribute",
+    "detector_compare",
+    "learn_head_weights",
+    "longppl",
+    "noise_restraint",
+    "objectives",
+    "position_bias",
+    "retrieval_heads",
+    "task_accuracy",
 ]
+MODULES = [importlib.import_module(f"analyses.{name}") for name in ANALYSES]
 MODEL = "never-loaded/model"
 
 
@@ -57,14 +47,15 @@ def cli(module, tmp_path, *extra: str) -> list[str]:
     """The arguments that get ``module`` to its model load: a model, an output folder in
     ``tmp_path``, whatever the analysis requires (attribute: a document and a query), and ``extra``."""
     argv = ["--out", str(tmp_path / "out"), *extra]
-    if module is attribute:
+    name = module.__name__.removeprefix("analyses.")
+    if name == "attribute":
         (tmp_path / "doc.txt").write_text("One sentence. Another one.")
         argv += ["--model", MODEL, "--context", str(tmp_path / "doc.txt"), "--query", "Which?"]
-    elif module is position_bias:
+    elif name == "position_bias":
         argv += ["--parts", "real", "--models", MODEL, "--threads", str(torch.get_num_threads())]
-    elif module is longppl:
+    elif name == "longppl":
         argv += ["--evaluator", MODEL]
-    elif module in (detector_compare, learn_head_weights, objectives):
+    elif name in ("detector_compare", "learn_head_weights", "objectives"):
         argv += ["--model", MODEL]
     else:
         argv += ["--models", MODEL]

@@ -169,4 +169,5 @@ def test_a_missing_cache_entry_and_a_zero_block_size_say_what_to_do(tiny):
     with pytest.raises(KeyError, match=r"need trace\(\.\.\., grad=True\)"):
         cache["pattern_grad", 0]
     with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):
-        probe.trace(tiny, block_size=0).__enter__()
+        with probe.trace(tiny, block_size=0):
+            pass
