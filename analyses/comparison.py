@@ -17,9 +17,8 @@ import pandas as pd
 import torch
 
 from analyses import stats
-from probe import detectors, faithfulness, metrics, tasks
+from probe import answer, detectors, faithfulness, metrics, tasks
 from probe.at2 import HeadWeights
-from probe.generation import answer
 
 ONE_PASS = (*detectors.SHARED_PASS, "key_removal_grad", "attn_lrp")  # one forward+backward a sample
 DEFAULT_DETECTORS = [*ONE_PASS, "lsd", "lexical_overlap", "recency", "leave_one_out"]

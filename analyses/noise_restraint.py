@@ -25,8 +25,7 @@ import seaborn as sns
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import save_figure
 from analyses.sweep import sweep
-from probe import denoise, tasks
-from probe.generation import answer
+from probe import answer, denoise, tasks
 
 NAME = "noise_restraint"
 STEPS = [0.001, 0.01, 0.1, 1.0, 10.0]  # lr·β, from "the loss barely moves" to "the input is destroyed"

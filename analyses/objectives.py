@@ -84,10 +84,9 @@ import probe
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, sweep
-from probe import tasks
+from probe import answer, tasks
 from probe.checks import check_layers
 from probe.denoise import answer_attention, category_mass
-from probe.generation import answer
 from probe.objectives import cdt_loss, logo_loss, longce_target_loss, sequence_logprob
 
 NAME = "objectives"

@@ -44,8 +44,7 @@ import probe
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, is_main_process, sweep
-from probe import tasks
-from probe.generation import answer
+from probe import answer, tasks
 from probe.results import write_json
 
 NAME = "retrieval_heads"

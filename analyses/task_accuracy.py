@@ -29,8 +29,7 @@ import seaborn as sns
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import save_figure
 from analyses.sweep import sweep
-from probe import tasks
-from probe.generation import answer
+from probe import answer, tasks
 from probe.results import atomic_write
 
 NAME = "task_accuracy"

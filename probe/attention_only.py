@@ -27,7 +27,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
 from probe.graph import causal_mask
-from probe.tasks.classification import Batch, InContextClassification
+from probe.tasks.classification import Episodes, InContextClassification
 
 MASKS = ("full", "causal", "decay", "window", "prefix")
 ENCODINGS = ("none", "sin", "rope")
@@ -131,7 +131,7 @@ def train(
     batch_size: int = 128,
     lr: float = 1e-3,
     weight_decay: float = 1e-6,
-    data: Batch | None = None,
+    data: Episodes | None = None,
     progress: bool = False,
 ) -> list[float]:
     """Train with cross-entropy on the query's label; data biased to ``answer_positions`` if given.
@@ -171,7 +171,7 @@ def train_together(
     batch_size: int = 128,
     lr: float = 1e-3,
     weight_decay: float = 1e-6,
-    data: Sequence[Batch] | None = None,
+    data: Sequence[Episodes] | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
     """Train networks of one architecture side by side, each as :func:`train` would alone.
@@ -201,7 +201,7 @@ def train_together(
             batches = [task.batch(batch_size) for task in tasks]
         else:
             batches = [
-                Batch(pool.inputs[start : start + batch_size], pool.targets[start : start + batch_size], None)
+                Episodes(pool.inputs[start : start + batch_size], pool.targets[start : start + batch_size], None)
                 for pool in data
                 for start in [step * batch_size % (len(pool.targets) - batch_size + 1)]
             ]

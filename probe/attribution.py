@@ -24,7 +24,7 @@ from probe.checks import check_input_ids, check_int, check_layers, check_positio
 from probe.modifiers import bias_keys
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters
-from probe.target import Target, target_value
+from probe.target import Target, target_of
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
 OneIds = torch.Tensor | Sequence[int]  # one sequence: LongTensor[seq] / [1, seq], or a list of ids
@@ -474,16 +474,6 @@ def answer_attribution(
     return _one_or_all(found, single)
 
 
-def answer_logprob(
-    model, input_ids: torch.Tensor, target_positions: torch.Tensor, target: Target | None = None
-) -> torch.Tensor:
-    """The target (default Σ_t log P(x_t | x_<t)) of the tokens at ``target_positions``, each
-    predicted from row t − 1 in at least fp32: a 0-d tensor. ``input_ids``: LongTensor[1, seq] on
-    the model's input device. Only the answer rows are projected to the vocabulary."""
-    logits = hf_model(model)(input_ids=input_ids, use_cache=False, logits_to_keep=target_positions - 1).logits
-    return target_value(target, logits[0], input_ids[0, target_positions])
-
-
 def key_removal_gradient(
     model,
     input_ids: torch.Tensor | Sequence[int],
@@ -533,6 +523,6 @@ def key_removal_gradient(
             with torch.no_grad():
                 bias.fill_(-(point + 0.5) / steps * depth)
             with torch.enable_grad():
-                (grad,) = torch.autograd.grad(answer_logprob(inner, ids, targets, target), bias)
+                (grad,) = torch.autograd.grad(target_of(inner, ids, targets, target), bias)
             total += grad[0].detach().float()
     return (total / steps * (depth or 1.0)).cpu()

@@ -84,6 +84,26 @@ def describe(target: Target | None) -> str:
     return getattr(target, "__qualname__", repr(target))
 
 
+def target_of(
+    model,
+    input_ids: torch.Tensor,
+    target_positions: torch.Tensor,
+    target: Target | None = None,
+    **forward_kwargs,
+) -> torch.Tensor:
+    """The target of the k tokens at ``target_positions``, each predicted from row ``t − 1`` in at
+    least fp32 (the default: Σ_t log p(x_t | x_<t)): a 0-d tensor. ``input_ids``: LongTensor[1, seq]
+    on the model's input device; ``forward_kwargs`` may pass ``inputs_embeds`` instead of ids.
+
+    Only the needed rows are projected to the vocabulary (``logits_to_keep``), never the
+    full ``[seq, vocab]`` logits.
+    """
+    if "inputs_embeds" not in forward_kwargs:
+        forward_kwargs["input_ids"] = input_ids
+    logits = hf_model(model)(use_cache=False, logits_to_keep=target_positions - 1, **forward_kwargs).logits
+    return target_value(target, logits[0], input_ids[0, target_positions])
+
+
 def target_loss(
     model,
     input_ids: torch.Tensor,
@@ -91,14 +111,6 @@ def target_loss(
     target: Target | None = None,
     **forward_kwargs,
 ) -> torch.Tensor:
-    """−target / k for the k tokens at ``target_positions``, predicted from rows ``t − 1`` (the
-    default target: their mean cross-entropy).
-
-    Only the needed rows are projected to the vocabulary (``logits_to_keep``), never the
-    full ``[seq, vocab]`` logits. ``forward_kwargs`` may pass ``inputs_embeds`` instead of ids.
-    """
-    inner = hf_model(model)
-    if "inputs_embeds" not in forward_kwargs:
-        forward_kwargs["input_ids"] = input_ids
-    logits = inner(use_cache=False, logits_to_keep=target_positions - 1, **forward_kwargs).logits
-    return target_loss_of(target, logits[0], input_ids[0, target_positions])
+    """The loss gradient probes differentiate, −:func:`target_of` / k (the default: the mean
+    cross-entropy of the k tokens at ``target_positions``)."""
+    return -target_of(model, input_ids, target_positions, target, **forward_kwargs) / len(target_positions)

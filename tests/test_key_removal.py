@@ -7,8 +7,9 @@ from reference import explicit_masks
 
 import probe
 from probe import detectors
-from probe.attribution import answer_logprob, key_removal_gradient
+from probe.attribution import key_removal_gradient
 from probe.modifiers import bias_keys
+from probe.target import target_of
 
 SEQ = 24
 TARGETS = torch.tensor([21, 22, 23])
@@ -57,7 +58,7 @@ def test_key_removal_gradient_equals_a_finite_difference_of_the_biased_model(tin
             bias = torch.zeros(1, SEQ, dtype=torch.float64)
             bias[0, j] = step
             with torch.no_grad(), bias_keys(tiny, bias):
-                values.append(float(answer_logprob(tiny, ids, TARGETS)))
+                values.append(float(target_of(tiny, ids, TARGETS)))
         assert (values[0] - values[1]) / (2 * eps) == pytest.approx(float(got[j]), abs=5e-5)
 
 
@@ -114,7 +115,7 @@ def test_the_path_integrated_key_removal_gradient_is_complete(tiny, ids):
 
     def logprob_at(value: float) -> float:
         with torch.no_grad(), bias_keys(tiny, torch.full((1, SEQ), value, dtype=torch.float64)):
-            return float(answer_logprob(tiny, ids, TARGETS))
+            return float(target_of(tiny, ids, TARGETS))
 
     lost = logprob_at(0.0) - logprob_at(-depth)
     errors = []

@@ -23,7 +23,7 @@ from analyses.position_bias.presets import Preset
 from analyses.sweep import sweep
 from probe import graph
 from probe.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, train_together
-from probe.tasks.classification import Batch, InContextClassification
+from probe.tasks.classification import Episodes, InContextClassification
 
 PANELS = {
     "No PE": {"mask": "causal", "pe": "none"},
@@ -89,7 +89,7 @@ class Study:
     preset: Preset
     networks: dict[Network, AttentionOnly] = field(default_factory=dict)
     tasks: dict[int, InContextClassification] = field(default_factory=dict)
-    pools: dict[int, Batch | None] = field(default_factory=dict)
+    pools: dict[int, Episodes | None] = field(default_factory=dict)
     states: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def task(self, seed: int) -> InContextClassification:

@@ -10,8 +10,7 @@ from tqdm.auto import tqdm
 
 import probe
 from analyses.position_bias.presets import Preset
-from probe import graph, tasks
-from probe.generation import answer
+from probe import answer, graph, tasks
 from probe.tasks.noise import essay_ids
 
 

@@ -39,8 +39,9 @@ class Config:
 
 
 @dataclass
-class Batch:
-    """``inputs`` [batch, 2 * pairs + 1, dim], ``targets`` [batch] labels, ``answer_position`` [batch]."""
+class Episodes:
+    """A batch of episodes: ``inputs`` [batch, 2 * pairs + 1, dim], ``targets`` [batch] labels,
+    ``answer_position`` [batch]."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -60,7 +61,7 @@ class InContextClassification:
         self.label_vectors = self._vectors(config.labels)
         self.omega = self._vectors(1)[0]
 
-    def batch(self, size: int, answer_positions: Sequence[int] | None = None) -> Batch:
+    def batch(self, size: int, answer_positions: Sequence[int] | None = None) -> Episodes:
         """Training sequences; answer position uniform over items, or drawn from ``answer_positions``."""
         n_classes = self.config.pairs // self.config.burstiness
         chosen = torch.stack(
@@ -68,7 +69,7 @@ class InContextClassification:
         )
         return self._sequences(self.class_means[chosen], self.class_labels[chosen], answer_positions)
 
-    def test_batch(self, size: int, answer: int, copy: int) -> Batch:
+    def test_batch(self, size: int, answer: int, copy: int) -> Episodes:
         """Test set ``[answer, copy]``: novel classes, answer at item ``answer``, copied to item ``copy``."""
         if answer == copy or not all(0 <= p < self.config.pairs for p in (answer, copy)):
             raise ValueError(f"need two different items in [0, {self.config.pairs}), got {answer}, {copy}")
@@ -81,7 +82,7 @@ class InContextClassification:
 
     def _sequences(
         self, means: torch.Tensor, labels: torch.Tensor, answer_positions: Sequence[int] | None
-    ) -> Batch:
+    ) -> Episodes:
         """Sequences from per-sequence class ``means`` [size, classes, dim] and ``labels`` [size, classes]."""
         size, n_classes, dim = means.shape
         order = torch.stack(
@@ -99,7 +100,7 @@ class InContextClassification:
         inputs[:, 0:-1:2] = items[:, :-1]
         inputs[:, 1::2] = self.label_vectors[item_labels[:, :-1]]
         inputs[:, -1] = items[:, -1]
-        return Batch(inputs=inputs, targets=item_labels[:, -1], answer_position=answer)
+        return Episodes(inputs=inputs, targets=item_labels[:, -1], answer_position=answer)
 
     def _items(self, means: torch.Tensor) -> torch.Tensor:
         """Noisy samples of ``means`` [..., dim] (or the fixed-vocabulary mix)."""
