@@ -29,6 +29,7 @@ from analyses.stats import MIN_UNITS, Estimate, bootstrap, correlation, differen
 from probe.results import atomic_write
 
 START, END = "<!-- claims:start -->", "<!-- claims:end -->"
+LENGTHS = "<!-- lengths:start -->", "<!-- lengths:end -->"
 
 
 @dataclass(frozen=True)
@@ -148,16 +149,68 @@ def faithfulness_rows(figures: Path) -> pd.DataFrame:
     return rows.drop_duplicates(subset=["model", "length", "task", "seed", "scorer"])
 
 
-def detector_advantage(better: str, worse: str, column: str = "aopc_comprehensiveness") -> Callable:
+def detector_advantage(
+    better: str, worse: str, length: int, column: str = "aopc_comprehensiveness"
+) -> Callable[[Path], Measured]:
+    """``better`` − ``worse`` in ``column`` over the detector-comparison samples at ``length`` tokens."""
+
     def measure(figures: Path) -> Measured:
         rows = faithfulness_rows(figures)
-        table = rows.pivot_table(index=["model", "length", "task", "seed"], columns="scorer", values=column)
+        rows = rows[rows.length == length]
+        if rows.empty:
+            raise LookupError(f"no detector comparison at {length} tokens")
+        table = rows.pivot_table(index=["model", "task", "seed"], columns="scorer", values=column)
         difference = bootstrap(table[better] - table[worse], over="samples")
         models = ", ".join(sorted(rows.model.unique()))
-        lengths = ", ".join(f"{length // 1024}K" for length in sorted(table.index.unique("length")))
-        return Measured(difference, f"{models}; {len(table)} multi-hop samples at {lengths}; {column}")
+        setting = f"{models}; {len(table)} multi-hop samples at {length // 1024}K; {column}"
+        return Measured(difference, setting)
 
     return measure
+
+
+def ranking_by_length(figures: Path) -> pd.DataFrame:
+    """Each detector-comparison study's scorers: mean LDS and AOPC of comprehensiveness with 95 %
+    bootstrap intervals over samples, and the LDS rank within the study (1 = most faithful).
+
+    One row per (model, length, scorer): ``n`` samples, ``lds``, ``lds_low``, ``lds_high``,
+    ``aopc``, ``aopc_low``, ``aopc_high``, ``rank``.
+    """
+    rows = faithfulness_rows(figures)
+    records = []
+    for (model, length, scorer), group in rows.groupby(["model", "length", "scorer"]):
+        lds = bootstrap(group.lds, over="samples")
+        aopc = bootstrap(group.aopc_comprehensiveness, over="samples")
+        records.append(
+            dict(model=model, length=length, scorer=scorer, n=lds.n, lds=lds.value, lds_low=lds.low,
+                 lds_high=lds.high, aopc=aopc.value, aopc_low=aopc.low, aopc_high=aopc.high)
+        )  # fmt: skip
+    table = pd.DataFrame(records)
+    table["rank"] = table.groupby(["model", "length"]).lds.rank(ascending=False, method="min").astype(int)
+    return table.sort_values(["model", "length", "rank"], ignore_index=True)
+
+
+def ranking_markdown(table: pd.DataFrame) -> str:
+    """One column per study (model at length): each scorer's LDS [95 % CI] and its rank there."""
+    studies = (
+        table[["model", "length", "n"]].drop_duplicates(["model", "length"]).sort_values(["length", "model"])
+    )
+    heads = [f"{row.model} {row.length // 1024}K (n = {row.n})" for row in studies.itertuples()]
+    order = table.groupby("scorer").lds.mean().sort_values(ascending=False).index
+    lines = ["| scorer | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for scorer in order:
+        cells = []
+        for study in studies.itertuples():
+            row = table[
+                (table.model == study.model) & (table.length == study.length) & (table.scorer == scorer)
+            ]
+            cells.append(
+                "–"
+                if row.empty
+                else f"{row.lds.iloc[0]:.2f} [{row.lds_low.iloc[0]:.2f}, "
+                f"{row.lds_high.iloc[0]:.2f}] #{row['rank'].iloc[0]}"
+            )
+        lines.append(f"| `{scorer}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def noise_restraint_gain(length: int) -> Callable[[Path], Measured]:
@@ -274,11 +327,18 @@ CLAIMS = [
     Claim("longce", "000 §5, Table 4", "Fine-tuning with LongCE beats CE on long-context tasks",
           "+ several points on LongBench / RULER", objective_advantage("longce")),
     Claim("grad_vs_attention", "002 §3.1", "Gradient-based critical tokens are more faithful than attention",
-          "IG finds critical tokens attention misses", detector_advantage("embedding_grad", "attention")),
+          "IG finds critical tokens attention misses",
+          detector_advantage("embedding_grad", "attention", 1024)),
     Claim("flow_vs_attention", "002 §3.1, eq. 1", "Information flow is more faithful than attention",
-          "(same claim, CDT's eq. 1 score)", detector_advantage("information_flow", "attention")),
+          "(same claim, CDT's eq. 1 score)", detector_advantage("information_flow", "attention", 1024)),
     Claim("grad_vs_lsd", "002 §6.1", "Gradient scores beat LongPPL's LSD at finding critical tokens",
-          "ordering gradient > attention > LongPPL", detector_advantage("embedding_grad", "lsd")),
+          "ordering gradient > attention > LongPPL", detector_advantage("embedding_grad", "lsd", 1024)),
+    Claim("grad_vs_attention_4k", "002 §3.1", "… the same at 4K tokens", "(as at 1K)",
+          detector_advantage("embedding_grad", "attention", 4096)),
+    Claim("flow_vs_attention_4k", "002 §3.1, eq. 1", "… information flow at 4K tokens", "(as at 1K)",
+          detector_advantage("information_flow", "attention", 4096)),
+    Claim("grad_vs_lsd_4k", "002 §6.1", "… gradient over LSD at 4K tokens", "(as at 1K)",
+          detector_advantage("embedding_grad", "lsd", 4096)),
     Claim("noise_restraint", "002 §3.2, Fig. 4", "Moving noise embeddings against the gradient multiplies "
           "attention on critical tokens", "×10", noise_restraint_gain(1024)),
     Claim("noise_restraint_4k", "002 §3.2, Fig. 4", "… the same at 4K tokens", "×10",
@@ -356,14 +416,15 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def update_results(results: Path, table: str) -> None:
-    """Put ``table`` between the claims markers of ``results`` (atomically); the markers must be there."""
+def update_results(results: Path, table: str, markers: tuple[str, str] = (START, END)) -> None:
+    """Put ``table`` between the ``markers`` of ``results`` (atomically); the markers must be there."""
+    start, end = markers
     text = results.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{results} has no {START} … {END} markers to put the claims table between")
-    before, rest = text.split(START, 1)
-    after = rest.split(END, 1)[1]
-    atomic_write(results, lambda tmp: tmp.write_text(f"{before}{START}\n{table}\n{END}{after}"))
+    if start not in text or end not in text:
+        raise ValueError(f"{results} has no {start} … {end} markers to put the table between")
+    before, rest = text.split(start, 1)
+    after = rest.split(end, 1)[1]
+    atomic_write(results, lambda tmp: tmp.write_text(f"{before}{start}\n{table}\n{end}{after}"))
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -375,6 +436,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     atomic_write(args.figures / "claims.csv", lambda tmp: table.to_csv(tmp, index=False))
     if args.results:
         update_results(Path(args.results), markdown(table))
+    try:
+        ranking = ranking_by_length(args.figures)
+    except FileNotFoundError:  # no detector comparison yet: no ranking table
+        ranking = None
+    if ranking is not None:
+        atomic_write(args.figures / "detector_by_length.csv", lambda tmp: ranking.to_csv(tmp, index=False))
+        if args.results:
+            update_results(Path(args.results), ranking_markdown(ranking), LENGTHS)
     print(markdown(table))
     return table
 

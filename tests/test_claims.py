@@ -74,3 +74,35 @@ def test_a_results_file_without_markers_is_refused(tmp_path):
     (tmp_path / "README.md").write_text("no markers")
     with pytest.raises(ValueError, match="markers"):
         claims.update_results(tmp_path / "README.md", "| table |")
+
+
+def test_detector_rows_and_the_ranking_are_per_length(tmp_path):
+    """Each length's claim rows use only its own samples; the ranking table has one column per study."""
+    figures, rng = tmp_path / "figures", np.random.default_rng(0)
+    (figures / "studies" / "long").mkdir(parents=True)
+    for folder, model, length, gap in (
+        (figures, "m", 1024, 1.0),
+        (figures / "studies" / "long", "g", 4096, -1.0),
+    ):
+        rows = [
+            dict(model=model, length=length, task="multihop-1", seed=seed, scorer=scorer,
+                 aopc_comprehensiveness=base + rng.normal(0, 0.1), lds=lds + rng.normal(0, 0.05))
+            for seed in range(6)
+            for scorer, base, lds in (("information_flow", gap, 0.7), ("attention", 0, 0.3), ("lsd", 0, 0))
+        ]  # fmt: skip
+        pd.DataFrame(rows).to_csv(folder / f"detector_{model}-{length}_faithfulness.csv", index=False)
+    short = claims.evaluate(figures, ["flow_vs_attention", "flow_vs_attention_4k"]).set_index("claim")
+    assert short.loc["flow_vs_attention"].ours == pytest.approx(1.0, abs=0.1)
+    assert short.loc["flow_vs_attention_4k"].ours == pytest.approx(-1.0, abs=0.1)
+    assert short.loc["flow_vs_attention_4k"].verdict == "not reproduced"
+    assert "at 4K" in short.loc["flow_vs_attention_4k"].setting and short.loc["flow_vs_attention"].n == 6
+    results = tmp_path / "RESULTS.md"
+    results.write_text(f"{claims.START}\n{claims.END}\n{claims.LENGTHS[0]}\nold\n{claims.LENGTHS[1]}\n")
+    claims.main(["--figures", str(figures), "--results", str(results)])
+    ranking = pd.read_csv(figures / "detector_by_length.csv")
+    assert set(zip(ranking.model, ranking.length, strict=True)) == {("m", 1024), ("g", 4096)}
+    first = ranking[ranking["rank"] == 1]
+    assert set(first.scorer) == {"information_flow"} and (ranking.n == 6).all()
+    text = results.read_text()
+    assert "\nold\n" not in text and "| scorer | m 1K (n = 6) | g 4K (n = 6) |" in text
+    assert "#1" in text.split("`information_flow`")[1].split("\n")[0]
