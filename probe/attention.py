@@ -51,7 +51,7 @@ from probe.checks import UnsupportedModelError, _bidirectional, hf_model
 from probe.shared_state import shared_change
 
 if TYPE_CHECKING:
-    from probe.planner import Shapes
+    from probe.shapes import Shapes
 
 IMPLEMENTATION = "longprobe"
 INPUTS, SCORES, MASK, POSITIONS, OUTPUTS = "inputs", "scores", "mask", "positions", "outputs"

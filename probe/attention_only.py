@@ -201,7 +201,9 @@ def train_together(
             batches = [task.batch(batch_size) for task in tasks]
         else:
             batches = [
-                Episodes(pool.inputs[start : start + batch_size], pool.targets[start : start + batch_size], None)
+                Episodes(
+                    pool.inputs[start : start + batch_size], pool.targets[start : start + batch_size], None
+                )
                 for pool in data
                 for start in [step * batch_size % (len(pool.targets) - batch_size + 1)]
             ]

@@ -30,7 +30,7 @@ from probe.attention import (
 from probe.checks import check_int, check_integers, check_layers, hf_model
 
 if TYPE_CHECKING:
-    from probe.planner import Shapes
+    from probe.shapes import Shapes
 
 
 @dataclass(eq=False)

@@ -25,7 +25,7 @@ from probe.checks import check_layers, hf_model, n_layers
 from probe.modifiers import check_heads
 
 if TYPE_CHECKING:
-    from probe.planner import Shapes
+    from probe.shapes import Shapes
 
 
 @dataclass(eq=False)

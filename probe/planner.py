@@ -78,21 +78,24 @@ forward projecting ``rows`` rows to the vocabulary). Validated against peak RSS 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
-import platform
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
 from transformers import PretrainedConfig
 
 from probe.attention import Modifier, active_modifiers, runs_in_bands
 from probe.checkpointing import checkpointed
-from probe.checks import hf_model, input_device
+from probe.checks import input_device
+from probe.memory import (
+    CHECKPOINT_HEAP_HOLES,
+    MMAP_THRESHOLD_MAX,
+    PLAIN_HEAP_SLACK,
+    _heap_slack,
+    available_memory,
+    compact_heap,
+)
+from probe.shapes import Shapes
 
 __all__ = [
     "PROBES",
@@ -122,123 +125,13 @@ GRAD_PROBES = ("information_flow", "answer_attribution", "embedding_grads")
 PROBES = (*GRAD_PROBES, "embedding_grad_norms", "attention_rows", "forward")
 _ALIASES = {"embedding_grad_norms": "embedding_grads"}
 
-# glibc heap slack (see the module docstring): measured once at 512 – 2K tokens, both models.
-PLAIN_HEAP_SLACK = 0.36  # × activations of a plain gradient pass
-CHECKPOINT_HEAP_HOLES = 4  # hidden-state tensors per checkpointed layer
-MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc (64-bit): blocks this large are always mmapped, freed at once
 _GIB = 2**30
-_compact_heap = False
 
 
 class WontFitError(MemoryError):
     """The planner's prediction that a call would not fit in the free memory, raised before any
     allocation (a :class:`MemoryError`, so ``except MemoryError`` still catches it; an allocator's own
     out-of-memory error is never this one)."""
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """What the planner needs to know about a model: its config shapes and its layer structure."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    act_bytes: int  # bytes per activation element (the model's dtype)
-    windows: tuple[int | None, ...]  # sliding window of each layer (None = full attention)
-    hidden_norms: int = 2  # RMSNorms over the hidden size per decoder layer
-    qk_norms: bool = False  # per-head q_norm / k_norm (Gemma 3, Qwen 3)
-    gated: bool = True  # gated MLP (act(gate(x)) * up(x))
-    rope_kinds: int = 1  # distinct rotary tables (Gemma 3: local and global)
-    device: str = "cpu"
-
-    @classmethod
-    def of(cls, model) -> Shapes:
-        """Shapes of a loaded Hugging Face model, or of a config (norms then inferred from its type)."""
-        if isinstance(model, PretrainedConfig):
-            config, inner = model.get_text_config(), None
-            dtype = getattr(config, "dtype", None) or torch.float32
-            dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            device = "cpu"
-        else:
-            inner = hf_model(model)
-            config = inner.config.get_text_config()
-            dtype = next(inner.parameters()).dtype
-            device = input_device(inner).type  # offloaded weights live on "meta"; compute does not
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        window = getattr(config, "sliding_window", None)
-        if getattr(config, "layer_types", None) is None and window is not None:
-            windows = (window,) * config.num_hidden_layers  # one window for every layer (Mistral)
-        else:
-            windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-        norms, qk_norms, gated = _layer_structure(inner, config, head_dim)
-        # GPT-2 names it n_inner, None meaning 4 × hidden
-        intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-        return cls(
-            layers=config.num_hidden_layers,
-            hidden=config.hidden_size,
-            intermediate=intermediate or 4 * config.hidden_size,
-            heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            vocab=config.vocab_size,
-            act_bytes=torch.empty((), dtype=dtype).element_size(),
-            windows=windows,
-            hidden_norms=norms,
-            qk_norms=qk_norms,
-            gated=gated,
-            rope_kinds=max(1, len({w is None for w in windows})),
-            device=device,
-        )
-
-    def masked(self, layer: int, seq: int, everywhere: bool) -> bool:
-        """Whether ``layer``'s sdpa gets a materialized mask for a ``seq``-token input."""
-        window = self.windows[layer]
-        return everywhere or (window is not None and seq > window)
-
-    def saved(self, layer: int, seq: int, masked: bool, first: bool) -> int:
-        """Bytes ``layer`` saves for backward per token, float mask excluded (formula S above).
-
-        ``first``: nothing upstream needs a gradient, so only the part after the attention output
-        is saved (the first captured layer of ``information_flow``).
-        """
-        a, d, h = self.act_bytes, self.hidden, self.head_dim
-        norm = 4 * (d + 1)
-        mlp = a * self.intermediate * (3 if self.gated else 1)
-        if first:
-            return (self.hidden_norms - 1) * norm + mlp
-        qk = 0
-        if self.qk_norms:
-            qk = 4 * (self.heads * h + self.heads) + 4 * (self.kv_heads * h + self.kv_heads)
-        kv = self.heads if masked and 1 < self.kv_heads < self.heads else self.kv_heads
-        sdpa = a * (2 * self.heads * h + 2 * kv * h) + 4 * self.heads
-        return self.hidden_norms * norm + qk + sdpa + mlp
-
-
-def _layer_structure(inner, config, head_dim: int) -> tuple[int, bool, bool]:
-    """(hidden-size norms per layer, per-head q/k norms, gated MLP), read off decoder layer 0."""
-    layer = None
-    if inner is not None:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        layer = next((mod for mod in inner.modules() if isinstance(mod, GradientCheckpointingLayer)), None)
-    if layer is None:  # a bare config: infer from the architecture
-        qk = config.model_type.startswith(("gemma3", "qwen3", "olmo2"))
-        return (4 if config.model_type.startswith(("gemma2", "gemma3")) else 2), qk, True
-    sizes = [
-        mod.weight.numel()
-        for name, mod in layer.named_modules()
-        if "norm" in type(mod).__name__.lower() and getattr(mod, "weight", None) is not None
-    ]
-    norms = sum(size == config.hidden_size for size in sizes)
-    qk = any(size == head_dim for size in sizes) and head_dim != config.hidden_size
-    gated = any(name.endswith("gate_proj") for name, _ in layer.named_modules())
-    return max(norms, 1), qk, gated
 
 
 @dataclass(frozen=True)
@@ -487,13 +380,6 @@ def _terms(**values: int) -> dict[str, int]:
     return {name: int(values.get(name, 0)) for name in TERMS}
 
 
-def _heap_slack(device: str) -> int:
-    """1 where freed tensors stay resident (CPU, glibc's default dynamic mmap threshold), else 0."""
-    if device != "cpu" or _compact_heap or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return 0
-    return 1
-
-
 def auto_checkpoint(
     model,
     seq_len: int,
@@ -581,64 +467,6 @@ def _available(model, available_bytes: int | None) -> int | None:
 
 def _device_of(model) -> str:
     return "cpu" if isinstance(model, PretrainedConfig) else str(input_device(model))
-
-
-def available_memory(device: str | torch.device = "cpu") -> int | None:
-    """Bytes a probe can still allocate on ``device``; None where that cannot be read.
-
-    CPU: ``MemAvailable`` of ``/proc/meminfo`` (``psutil`` where there is none), capped by a cgroup
-    v2 ``memory.max``. CUDA: ``torch.cuda.mem_get_info`` plus what PyTorch's caching allocator holds
-    reserved but unused.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if device.type != "cpu":
-        return None
-    available = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    except OSError:
-        try:
-            import psutil
-
-            available = psutil.virtual_memory().available
-        except ImportError:
-            return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            available = min(available, int(limit) - used) if available is not None else int(limit) - used
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def compact_heap(threshold: int = 128 * 1024) -> bool:
-    """Opt-in: pin glibc's mmap threshold, so every freed tensor of ``threshold`` bytes or more
-    goes back to the system at once.
-
-    glibc starts with a 128 KiB threshold and raises it (up to 32 MiB) each time it frees a block it
-    had mmapped; tensors below the threshold come from the heap, where freed ones stay resident
-    between the tensors that are kept (the planner's ``allocator`` term). Setting ``M_MMAP_THRESHOLD``
-    stops the raising. Measured on SmolLM2 ``information_flow`` at 2K tokens (2 threads): peak RSS
-    2.4 → 1.75 GiB plain (+17 % time), 0.85 → 0.27 GiB checkpointed (+27 % time), each then within
-    2 % of the planner's tensor bytes. Process-wide and permanent; the planner then drops its
-    ``allocator`` term. Returns False (and changes nothing) where the C library is not glibc.
-    """
-    global _compact_heap
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    m_mmap_threshold = -3
-    if libc.mallopt(m_mmap_threshold, int(threshold)) != 1:
-        return False
-    _compact_heap = True
-    return True
 
 
 def _gib(value: int) -> str:

@@ -98,7 +98,8 @@ def test_detect_many_shares_one_pass_over_the_union_of_layers(story, tokenizer, 
         passes.append(args[3])
         return answer_attribution(*args, **kwargs)
 
-    monkeypatch.setattr(detectors, "answer_attribution", counted)
+    for module in (detectors.run, detectors.one_pass):  # the shared pass and the detectors' own passes
+        monkeypatch.setattr(module, "answer_attribution", counted)
     forwards = []
     hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     try:
@@ -114,7 +115,8 @@ def test_detect_many_shares_one_pass_over_the_union_of_layers(story, tokenizer, 
 
 def test_detect_many_runs_embedding_grad_alone_as_usual_and_refuses_bad_names(story, tokenizer, monkeypatch):
     model, sample = story
-    monkeypatch.setattr(detectors, "answer_attribution", None)  # not called: one pass either way
+    for module in (detectors.run, detectors.one_pass):  # not called: one pass either way
+        monkeypatch.setattr(module, "answer_attribution", None)
     found = detectors.detect_many(["embedding_grad", "recency"], model, tokenizer, sample)
     assert_same_detection(found["embedding_grad"], probe.detect("embedding_grad", model, tokenizer, sample))
     with pytest.raises(ValueError, match="unknown detectors"):

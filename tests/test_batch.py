@@ -131,8 +131,9 @@ def test_detectors_take_several_samples(story, name):
 def test_detect_many_batches_the_shared_pass(story, monkeypatch):
     model, tokenizer, samples = story
     passes = []
-    real = detectors.answer_attribution
-    monkeypatch.setattr(detectors, "answer_attribution", lambda *a, **k: passes.append(1) or real(*a, **k))
+    real = detectors.run.answer_attribution
+    for module in (detectors.run, detectors.one_pass):  # the shared pass and the detectors' own passes
+        monkeypatch.setattr(module, "answer_attribution", lambda *a, **k: passes.append(1) or real(*a, **k))
     names = ["attention", "information_flow", "embedding_grad", "recency"]
     found = detectors.detect_many(names, model, tokenizer, samples)
     assert passes == [1] and [list(one) for one in found] == [names] * len(samples)

@@ -81,6 +81,16 @@ def test_registry_lists_every_detector_and_refuses_unknown_names(story):
         probe.detect("nope", model, None, sample)
 
 
+def test_detectors_register_in_a_fixed_order():
+    """``names()`` is the registration order (the CLI's choices, the notebooks' tables): the package
+    imports its modules in that order."""
+    assert detectors.names() == [
+        "attention", "fr", "embedding_grad", "information_flow", "grad_times_input", "key_removal_grad",
+        "at2", "attn_lrp", "integrated_gradients", "lsd", "random", "recency", "lexical_overlap",
+        "leave_one_out", "context_cite",
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "name", ["attention", "fr", "embedding_grad", "information_flow", "lsd", "random", "recency"]
 )
@@ -224,7 +234,7 @@ def test_detection_load_reads_files_written_with_the_name_first(tmp_path):
 
 def test_the_registry_names_each_detection(monkeypatch):
     """A detector never writes its name: register(name) stamps it on the result, also on a direct call."""
-    monkeypatch.setattr(detectors, "_REGISTRY", dict(detectors._REGISTRY))
+    monkeypatch.setattr(detectors.registry, "_REGISTRY", dict(detectors.registry._REGISTRY))
     sample = hand_sample()
 
     @detectors.register("hand_made")
@@ -245,10 +255,13 @@ def test_the_registry_names_each_detection(monkeypatch):
 
 
 def test_detectors_never_write_their_own_name():
-    """Every ``Detection(...)`` in detectors.py names its fields and leaves ``name`` to the registry."""
+    """Every ``Detection(...)`` in probe/detectors/ names its fields and leaves ``name`` to the registry."""
+    files = sorted(Path(detectors.__file__).parent.glob("*.py"))
+    assert len(files) > 1  # the package's modules, not only its __init__
     calls = [
         node
-        for node in ast.walk(ast.parse(Path(detectors.__file__).read_text()))
+        for path in files
+        for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Detection"
     ]
     assert len(calls) >= 10  # the walk found the constructions (additive detectors share one helper's)

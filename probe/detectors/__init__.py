@@ -1,0 +1,81 @@
+"""Critical-token detectors: one registry, one signature.
+
+Every detector maps ``(model, tokenizer, sample, **options)`` to one score per token of the
+sample (higher = more critical) and the set it would flag by its own rule, returned as a
+:class:`Detection` that carries its settings. The answer rows are the rows that predict the
+sample's teacher-forced gold answer (rows ``sample.target_positions − 1``); scores for tokens at
+or after the answer are not meaningful for detection and :mod:`probe.metrics` ignores them.
+A detector is named once, in ``@register(name)``; the registry stamps the name on its result.
+
+    >>> detection = probe.detect("information_flow", model, tokenizer, sample)
+    >>> detection.scores.shape, detection.flagged.sum()
+    >>> probe.detectors.names()
+
+The package, by concern: :mod:`~probe.detectors.registry` (:class:`Detection`, :func:`register`,
+:func:`names`, :func:`options`), :mod:`~probe.detectors.one_pass` (the attention and gradient
+detectors), :mod:`~probe.detectors.baselines` (``lsd``, ``random``, ``recency``,
+``lexical_overlap``), :mod:`~probe.detectors.ablation` (``leave_one_out``, ``context_cite``) and
+:mod:`~probe.detectors.run` (:func:`detect`, :func:`detect_many` and its shared pass,
+:func:`attribute`). Every name is importable from ``probe.detectors`` itself.
+"""
+
+# isort: off
+# The detectors register on import, in this order: the order names() gives (the CLI's choices and
+# the tests rely on it). Keep it: one_pass, then baselines, then ablation.
+from probe.detectors.registry import (
+    Detection,
+    Detector,
+    check_detection_of,
+    names,
+    options,
+    register,
+    spread_over_tokens,
+    top_k_mask,
+)
+from probe.detectors.one_pass import (
+    at2,
+    attention,
+    attn_lrp,
+    embedding_grad,
+    fact_retrieval,
+    grad_times_input,
+    information_flow,
+    integrated_gradients,
+    key_removal_grad,
+)
+from probe.detectors.baselines import lexical_overlap, long_short_difference, random_scores, recency
+from probe.detectors.ablation import context_cite, leave_one_out
+from probe.detectors.run import PASS_OPTIONS, SHARED_PASS, attribute, detect, detect_many, from_attribution
+# isort: on
+
+__all__ = [
+    "PASS_OPTIONS",
+    "SHARED_PASS",
+    "Detection",
+    "Detector",
+    "at2",
+    "attention",
+    "attn_lrp",
+    "attribute",
+    "check_detection_of",
+    "context_cite",
+    "detect",
+    "detect_many",
+    "embedding_grad",
+    "fact_retrieval",
+    "from_attribution",
+    "grad_times_input",
+    "information_flow",
+    "integrated_gradients",
+    "key_removal_grad",
+    "leave_one_out",
+    "lexical_overlap",
+    "long_short_difference",
+    "names",
+    "options",
+    "random_scores",
+    "recency",
+    "register",
+    "spread_over_tokens",
+    "top_k_mask",
+]

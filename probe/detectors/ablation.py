@@ -1,0 +1,160 @@
+"""Ablation detectors: one score per source, from key-masked passes (:mod:`probe.faithfulness`).
+
+``leave_one_out`` removes sources one by one (or pruned, after AttriBoT); ``context_cite`` fits
+ContextCite's sparse linear surrogate to random source subsets. Each token carries its source's score.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from probe.detectors.registry import Detection, options, register, spread_over_tokens
+from probe.detectors.run import detect
+from probe.faithfulness import answer_scores, lds, random_masks
+from probe.target import Target
+from probe.tasks import Sample
+
+
+@register("leave_one_out")
+def leave_one_out(
+    model,
+    tokenizer,
+    sample: Sample,
+    reuse_prefix: bool = True,
+    top_m: int | None = None,
+    rank_by: str = "key_removal_grad",
+    block: int = 1,
+    refine: int = 4,
+    target: Target | None = None,
+) -> Detection:
+    """Leave-one-out: a source's score is ``lp(full) − lp(without it)``, the drop of the gold answer's
+    log-probability when it is removed (:func:`probe.faithfulness.answer_scores`), one pass per source.
+
+    The gold standard of comprehensiveness at k = 1. Two cheaper forms, after AttriBoT (Liu et al.,
+    ICLR 2025), exact where they measure:
+
+    - ``top_m``: only the ``top_m`` sources ranked highest by detector ``rank_by`` are removed one by
+      one; every other source scores ``rank_by``'s source score times the least-squares scale that maps
+      it onto the measured drops (0 when fewer than two were measured);
+    - ``block > 1`` (hierarchical): each run of ``block`` consecutive sources is removed at once, then
+      the ``refine`` blocks with the largest drops are split and their sources removed one by one;
+      a source of an unrefined block scores its block's drop shared equally.
+
+    ``details``: ``source_scores`` Tensor[sources], ``measured`` BoolTensor[sources] (the source's own
+    removal was run), ``passes`` (masked passes, the full pass included), ``full_logprob``. Each token
+    carries its source's score. Flags the sources whose removal lowers the log-probability.
+    """
+    n_sources = len(sample.sources)
+    if top_m is not None and block > 1:
+        raise ValueError("choose one way to prune leave-one-out: top_m or block > 1, not both")
+    if block < 1 or refine < 0 or (top_m is not None and top_m < 1):
+        raise ValueError(f"block must be >= 1, refine >= 0 and top_m >= 1, got {block}, {refine}, {top_m}")
+    none = torch.zeros(1, n_sources, dtype=torch.bool)
+    settings = {
+        "reuse_prefix": reuse_prefix,
+        "top_m": top_m,
+        "rank_by": rank_by,
+        "block": block,
+        "refine": refine,
+    }
+    if top_m is not None:
+        ranking = {"target": target} if "target" in options(rank_by) else {}
+        cheap = detect(rank_by, model, tokenizer, sample, **ranking).source_scores(sample)
+        chosen = torch.argsort(-cheap, stable=True)[: min(top_m, n_sources)]
+        logprob = answer_scores(
+            model, sample, torch.cat([none, _single(chosen, n_sources)]), reuse_prefix, target=target
+        ).logprob
+        drops = logprob[0] - logprob[1:]
+        scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
+        effect = cheap * scale
+        effect[chosen] = drops
+        measured, passes = torch.zeros(n_sources, dtype=torch.bool), len(logprob)
+        measured[chosen] = True
+    elif block > 1:
+        starts = torch.arange(0, n_sources, block)
+        blocks = torch.zeros(len(starts), n_sources, dtype=torch.bool)
+        for row, first in enumerate(starts.tolist()):
+            blocks[row, first : first + block] = True
+        coarse = answer_scores(model, sample, torch.cat([none, blocks]), reuse_prefix, target=target).logprob
+        block_drops = coarse[0] - coarse[1:]
+        refined = torch.argsort(-block_drops, stable=True)[:refine]
+        chosen = blocks[refined].any(0).nonzero()[:, 0]
+        fine = answer_scores(model, sample, _single(chosen, n_sources), reuse_prefix, target=target).logprob
+        effect = (blocks.float() * (block_drops / blocks.sum(1))[:, None]).sum(0)
+        effect[chosen] = coarse[0] - fine
+        measured, passes = blocks[refined].any(0), len(coarse) + len(fine)
+        logprob = coarse
+    else:
+        everyone = torch.cat([none, _single(torch.arange(n_sources), n_sources)])
+        logprob = answer_scores(model, sample, everyone, reuse_prefix, target=target).logprob
+        effect, measured, passes = (
+            logprob[0] - logprob[1:],
+            torch.ones(n_sources, dtype=torch.bool),
+            len(logprob),
+        )
+    scores = spread_over_tokens(effect, sample)
+    return Detection(
+        scores=scores,
+        flagged=scores > 0,
+        settings=settings,
+        details={
+            "source_scores": effect,
+            "measured": measured,
+            "passes": passes,
+            "full_logprob": float(logprob[0]),
+        },
+    )
+
+
+def _single(chosen: torch.Tensor, n_sources: int) -> torch.Tensor:
+    """BoolTensor[len(chosen), sources]: one mask per chosen source, removing it alone."""
+    return torch.eye(n_sources, dtype=torch.bool)[chosen]
+
+
+@register("context_cite")
+def context_cite(
+    model,
+    tokenizer,
+    sample: Sample,
+    n_masks: int = 64,
+    keep: float = 0.5,
+    alpha: float = 0.01,
+    holdout: float = 0.25,
+    seed: int = 1,
+    target: Target | None = None,
+) -> Detection:
+    """ContextCite's surrogate (Cohen-Wang et al. 2024): key-mask random subsets of the sources (each
+    kept with probability ``keep``), fit a sparse linear model (scikit-learn LASSO, ``alpha``, on
+    standardized masks) from the kept-source indicators to the gold answer's log-probability; a
+    source's score is its weight in log-probability per source kept.
+
+    The target is the log-probability (ContextCite uses the logit-probability log p − log(1 − p)).
+    A ``holdout`` share of the masks is left out of the fit: ``details["heldout_spearman"]`` and
+    ``details["heldout_r2"]`` say how well the surrogate predicts them (read them before trusting
+    the weights). ``seed`` must differ from the seed of the masks a faithfulness evaluation uses.
+    Flags the sources with positive weight.
+    """
+    from sklearn.linear_model import Lasso
+    from sklearn.metrics import r2_score
+    from sklearn.preprocessing import StandardScaler
+
+    n_sources = len(sample.sources)
+    kept = random_masks(n_sources, n_masks, keep, seed)
+    logprob = answer_scores(model, sample, ~kept, target=target).logprob
+    n_fit = n_masks - max(1, round(holdout * n_masks))
+    scaler = StandardScaler().fit(kept[:n_fit].double().numpy())
+    lasso = Lasso(alpha=alpha).fit(scaler.transform(kept[:n_fit].double().numpy()), logprob[:n_fit].numpy())
+    weights = torch.tensor(lasso.coef_ / np.where(scaler.scale_ > 0, scaler.scale_, 1.0), dtype=torch.float32)
+    predicted = lasso.predict(scaler.transform(kept[n_fit:].double().numpy()))
+    scores = spread_over_tokens(weights, sample)
+    return Detection(
+        scores=scores,
+        flagged=scores > 0,
+        settings={"n_masks": n_masks, "keep": keep, "alpha": alpha, "holdout": holdout, "seed": seed},
+        details={
+            "source_scores": weights,
+            "heldout_spearman": lds(weights, kept[n_fit:], logprob[n_fit:]),
+            "heldout_r2": float(r2_score(logprob[n_fit:].numpy(), predicted)),
+        },
+    )

@@ -1,0 +1,300 @@
+"""The attention and gradient detectors: each reads one forward (and backward) pass over the sample.
+
+``attention``, ``fr``, ``embedding_grad``, ``information_flow``, ``grad_times_input`` and ``at2``
+can also be read off one shared pass (:data:`probe.detectors.run.SHARED_PASS`,
+:func:`~probe.detectors.run.detect_many`): their ``_*_from`` helpers here turn that pass into the
+detection. ``key_removal_grad``, ``attn_lrp`` and ``integrated_gradients`` run passes of their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from probe.at2 import HeadWeights, token_features
+from probe.attribution import (
+    AnswerAttribution,
+    answer_attribution,
+    attention_rows,
+    embedding_grad_norms,
+    key_removal_gradient,
+)
+from probe.attribution import information_flow as information_flow_per_layer
+from probe.checks import check_layers, hf_model, input_device
+from probe.detectors.registry import Detection, register, top_k_mask
+from probe.lrp import relevance
+from probe.objectives import critical_tokens
+from probe.planner import guarded
+from probe.shared_state import frozen_parameters
+from probe.target import Target, target_loss_of
+from probe.tasks import Sample
+
+
+@register("attention")
+def attention(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) -> Detection:
+    """Attention from the answer-predicting rows, summed over heads, mean over rows and ``layers``.
+
+    Flags the ``top_k`` context tokens (CDT §6.1 uses top-30).
+    """
+    layers = check_layers(model, layers)
+    pattern = attention_rows(model, sample.input_ids, sample.target_positions - 1, layers)
+    return _attention_from(pattern, sample, layers, top_k)
+
+
+def _attention_from(pattern: torch.Tensor, sample: Sample, layers: list[int], top_k: int) -> Detection:
+    """The ``attention`` detection from the answer rows' ``pattern`` Tensor[layers, heads, rows, seq]."""
+    per_layer = pattern.sum(dim=1).mean(dim=1)
+    scores = per_layer.mean(dim=0)
+    return Detection(
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"layers": layers, "top_k": top_k},
+        details={"per_layer": per_layer},
+    )
+
+
+@register("fr")
+def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) -> Detection:
+    """Fact-retrieval score (CDT §3.1): how often a token is among a head's top-k attended tokens.
+
+    At each answer step j every head attends the ``top_k`` tokens it weights most (its set s_j).
+    ``scores[i]`` = fraction of (head, step) pairs whose s_j contains token i (the per-token
+    form of FR averaged over heads); ``details["per_head"]`` [layers, heads, seq] holds the
+    per-head fractions, from which FR_{h,l}^{(r)} = |s_j ∩ T_r| / |T_r| follows per category,
+    and ``details["mass_per_head"]`` the attention-mass variant (mean attention per head).
+    Flags the ``top_k`` tokens with the highest score.
+    """
+    layers = check_layers(model, layers)
+    pattern = attention_rows(model, sample.input_ids, sample.target_positions - 1, layers)
+    return _fact_retrieval_from(pattern, sample, layers, top_k)
+
+
+def _fact_retrieval_from(pattern: torch.Tensor, sample: Sample, layers: list[int], top_k: int) -> Detection:
+    """The ``fr`` detection from the answer rows' ``pattern`` Tensor[layers, heads, rows, seq]."""
+    context = sample.prompt_length
+    chosen = pattern[..., :context].topk(min(top_k, context), dim=-1).indices
+    attended = torch.zeros_like(pattern).scatter_(-1, chosen, 1.0)
+    per_head = attended.mean(dim=2)  # [L, H, S]
+    scores = per_head.mean(dim=(0, 1))
+    return Detection(
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, context),
+        settings={"layers": layers, "top_k": top_k},
+        details={"per_head": per_head, "mass_per_head": pattern.mean(dim=2)},
+    )
+
+
+@register("embedding_grad")
+def embedding_grad(
+    model,
+    tokenizer,
+    sample: Sample,
+    p: float = 2,
+    checkpoint: bool | str = "auto",
+    target: Target | None = None,
+) -> Detection:
+    """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean.
+    ``checkpoint``: see :mod:`probe.attribution`."""
+    ids, targets = sample.input_ids, sample.target_positions
+    scores = embedding_grad_norms(model, ids, targets, p, checkpoint, target=target)
+    return _embedding_grad_from(scores, sample, p)
+
+
+def _embedding_grad_from(scores: torch.Tensor, sample: Sample, p: float) -> Detection:
+    """The ``embedding_grad`` detection from the gradient norms ``scores`` Tensor[seq]."""
+    return Detection(scores=scores, flagged=critical_tokens(scores, sample.prompt_length), settings={"p": p})
+
+
+@register("information_flow")
+def information_flow(
+    model,
+    tokenizer,
+    sample: Sample,
+    layers=None,
+    reduce: str = "sum_then_abs",
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+    target: Target | None = None,
+) -> Detection:
+    """The IG / information-flow score (CDT eq. 1) from the answer rows, summed over ``layers``.
+
+    ``details["per_layer"]`` [layers, seq] keeps each layer's score. Flags the ``top_k`` tokens.
+    ``checkpoint``: see :mod:`probe.attribution`.
+    """
+    layers = check_layers(model, layers)
+    per_layer = information_flow_per_layer(
+        model, sample.input_ids, sample.target_positions, layers, reduce, checkpoint, target=target
+    )
+    return _information_flow_from(per_layer, sample, layers, reduce, top_k)
+
+
+def _information_flow_from(
+    per_layer: torch.Tensor, sample: Sample, layers: list[int], reduce: str, top_k: int
+) -> Detection:
+    """The ``information_flow`` detection from its ``per_layer`` scores Tensor[layers, seq]."""
+    scores = per_layer.sum(dim=0)
+    return Detection(
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"layers": layers, "reduce": reduce, "top_k": top_k},
+        details={"per_layer": per_layer},
+    )
+
+
+def _additive(scores: torch.Tensor, sample: Sample, top_k: int, **settings) -> Detection:
+    """A detection from per-token first-order effects that add up over a source: each source's score
+    is the sum over its tokens (``details["source_scores"]``); flags the ``top_k`` context tokens.
+    ``settings``: the detector's other options, recorded."""
+    scores = scores.detach().float().cpu()
+    source_scores = torch.stack([scores[source.start : source.end].sum() for source in sample.sources])
+    return Detection(
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"top_k": top_k, **settings},
+        details={"source_scores": source_scores},
+    )
+
+
+@register("grad_times_input")
+def grad_times_input(
+    model,
+    tokenizer,
+    sample: Sample,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+    target: Target | None = None,
+) -> Detection:
+    """Gradient × input on the embeddings: e_i · ∂ log P(answer)/∂e_i (Shrikumar et al. 2016), the
+    first-order drop of the gold answer's log-probability when token i's embedding is zeroed.
+
+    Signed (positive = the answer leans on the token); a source scores the sum over its tokens
+    (``details["source_scores"]``). From the shared pass (:func:`detect_many`) at no extra cost.
+    ``checkpoint``: see :mod:`probe.attribution`.
+    """
+    attribution = answer_attribution(
+        model, sample.input_ids, sample.target_positions, [0], checkpoint, target=target
+    )
+    return _additive(attribution.grad_times_input(), sample, top_k)
+
+
+@register("key_removal_grad")
+def key_removal_grad(
+    model,
+    tokenizer,
+    sample: Sample,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+    depth: float = 0.0,
+    steps: int = 1,
+    target: Target | None = None,
+) -> Detection:
+    """The key-removal gradient (:func:`probe.attribution.key_removal_gradient`): ∂ log P(answer)/∂b_j
+    for a bias b_j on key j's attention logit from every later query, every layer and head, at b = 0.
+
+    A first-order estimate of removing token j from every attention, indirect paths included (a
+    second hop reading the first), at one forward and backward; a source scores the sum over its
+    tokens (``details["source_scores"]``), its first-order removal effect. Flags the ``top_k``
+    tokens. ``depth``, ``steps``: integrate the gradient along the path of every bias from 0 to
+    −``depth`` instead (``steps`` passes); ``checkpoint``: see
+    :func:`~probe.attribution.key_removal_gradient`.
+    """
+    gradient = key_removal_gradient(
+        model, sample.input_ids, sample.target_positions, checkpoint, depth=depth, steps=steps, target=target
+    )
+    return _additive(gradient, sample, top_k, depth=depth, steps=steps)
+
+
+@register("at2")
+def at2(
+    model,
+    tokenizer,
+    sample: Sample,
+    weights: HeadWeights | str | Path | None = None,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+    target: Target | None = None,
+) -> Detection:
+    """AT2 (Cohen-Wang et al. 2025, "Learning to Attribute with Attention"): per-head weights, learned
+    from this toolkit's ablations (:mod:`probe.at2`), on the answer rows' attention mass and saliency.
+
+    ``weights``: a :class:`~probe.at2.HeadWeights` or its file; ``None`` = the weights bundled for the
+    model's architecture (SmolLM2-135M, Gemma 3 270M; learn others' with
+    ``python -m analyses.learn_head_weights``). One forward+backward pass over every layer, shared
+    with the attention family in :func:`detect_many`. A source scores the sum over its tokens.
+    """
+    attribution = answer_attribution(
+        model, sample.input_ids, sample.target_positions, None, checkpoint, target=target
+    )
+    return _at2_from(attribution, sample, HeadWeights.for_model(model, weights), top_k)
+
+
+def _at2_from(attribution: AnswerAttribution, sample: Sample, weights: HeadWeights, top_k: int) -> Detection:
+    """The ``at2`` detection from a pass over every layer."""
+    detection = _additive(weights.token_scores(token_features(attribution)), sample, top_k)
+    detection.settings["weights"] = weights.settings.get("name", "custom")
+    return detection
+
+
+@register("attn_lrp")
+def attn_lrp(model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool | str = "auto") -> Detection:
+    """AttnLRP relevance (Achtibat et al., ICML 2024; :func:`probe.lrp.relevance`): gradient × input at
+    the embeddings with the LRP rules for attention, products, norms and gated MLPs, explaining the
+    gold answer tokens' logits. One forward and backward; a source scores the sum of its tokens'
+    relevance. ``checkpoint``: see :mod:`probe.attribution`."""
+    return _additive(relevance(model, sample.input_ids, sample.target_positions, checkpoint), sample, top_k)
+
+
+@register("integrated_gradients")
+def integrated_gradients(
+    model,
+    tokenizer,
+    sample: Sample,
+    n_steps: int = 16,
+    internal_batch_size: int = 4,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+    target: Target | None = None,
+) -> Detection:
+    """captum ``LayerIntegratedGradients`` on the embedding layer.
+
+    The attributed function is the mean log-probability of the answer tokens (= −L); the
+    baseline puts the pad token's embedding (EOS if there is none) at every position. A token's
+    score is |Σ_d attribution| (``details["signed"]`` keeps the sign).
+    ``details["convergence_delta"]`` is captum's completeness gap |Σ attributions − (f(x) − f(baseline))|:
+    read it before trusting the scores (long inputs and few steps make it large). ``checkpoint``:
+    see :mod:`probe.attribution` (planned per batch of ``internal_batch_size`` interpolated inputs).
+    """
+    from captum.attr import LayerIntegratedGradients
+
+    inner = hf_model(model)
+    ids = sample.input_ids[None].to(input_device(inner))
+    targets = sample.target_positions.to(ids.device)
+    baseline_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def answer_log_prob(batch_ids: torch.Tensor) -> torch.Tensor:
+        logits = inner(input_ids=batch_ids, use_cache=False, logits_to_keep=targets - 1).logits.float()
+        answer = ids[0, targets]  # fixed: the baseline's ids are pads
+        return torch.stack([-target_loss_of(target, one, answer) for one in logits])
+
+    batch = min(internal_batch_size, n_steps)
+    with (
+        guarded(model, ids.shape[1], "embedding_grads", checkpoint, len(targets), batch),
+        frozen_parameters(inner),
+    ):
+        method = LayerIntegratedGradients(answer_log_prob, inner.get_input_embeddings())
+        attributions, delta = method.attribute(
+            ids,
+            baselines=torch.full_like(ids, baseline_id),
+            n_steps=n_steps,
+            internal_batch_size=internal_batch_size,
+            return_convergence_delta=True,
+        )
+    signed = attributions[0].sum(dim=-1).detach()
+    scores = signed.abs()
+    return Detection(
+        scores=scores,
+        flagged=top_k_mask(scores, top_k, sample.prompt_length),
+        settings={"n_steps": n_steps, "top_k": top_k, "baseline_token_id": baseline_id},
+        details={"signed": signed, "convergence_delta": float(delta.abs().item())},
+    )
