@@ -300,6 +300,8 @@ def test_lsd_detector_flags_by_the_key_token_rule(story, tokenizer):
     expected = (lsd > 0.0) & (lcl > -20.0)
     expected[sample.prompt_length :] = False
     assert expected.any() and torch.equal(detection.flagged, expected)
+    windows = len(range(65, len(sample.input_ids), 32))  # blocks start at K + 1, every d tokens
+    assert detection.details["passes"] == 1 + windows
 
 
 def test_options_lists_what_a_detector_accepts():

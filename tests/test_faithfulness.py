@@ -9,6 +9,7 @@ and not kept tokens; without that map the result is wrong (checked, so these tes
 Llama and Gemma 3, nested modifiers, the architecture zoo, the real models at 1K."""
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -19,7 +20,7 @@ from test_retrieval import copying_model
 from transformers import AutoTokenizer
 
 import probe
-from probe import faithfulness, tasks
+from probe import detectors, faithfulness, tasks
 from probe.modifiers import original_positions
 from probe.retrieval import needle_answer_positions
 
@@ -176,6 +177,24 @@ def test_pruned_and_hierarchical_leave_one_out_are_exact_where_they_measure(mode
     assert torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-4)
     with pytest.raises(ValueError, match="one way"):
         probe.detect("leave_one_out", model, None, sample, top_m=3, block=2)
+
+
+def test_pruned_leave_one_out_reuses_the_ranking_a_shared_call_made(model, sample, monkeypatch):
+    """In detect_many, a pruned leave-one-out ranks by the detection the call already made (same
+    target): the same result as detect() alone, without running the ranking detector again."""
+    alone = probe.detect("leave_one_out", model, None, sample, top_m=3, rank_by="embedding_grad")
+    runs = []
+    real = detectors.registry._REGISTRY["embedding_grad"]
+    counted = functools.wraps(real)(lambda *args, **kwargs: runs.append(1) or real(*args, **kwargs))
+    monkeypatch.setitem(detectors.registry._REGISTRY, "embedding_grad", counted)
+    names = ["attention", "embedding_grad", "leave_one_out"]
+    options = {"leave_one_out": {"top_m": 3, "rank_by": "embedding_grad"}}
+    found = detectors.detect_many(names, model, None, sample, options)
+    assert runs == []  # embedding_grad came from the shared pass, and leave-one-out reused it
+    assert torch.allclose(found["leave_one_out"].scores, alone.scores, atol=ATOL)
+    assert found["leave_one_out"].details["passes"] == 4
+    with pytest.raises(ValueError, match="one score per source"):
+        probe.detect("leave_one_out", model, None, sample, top_m=3, ranking=torch.zeros(2))
 
 
 def test_nan_scores_empty_ks_and_too_few_masks_are_refused(model, sample):

@@ -27,6 +27,7 @@ def leave_one_out(
     block: int = 1,
     refine: int = 4,
     target: Target | None = None,
+    ranking: torch.Tensor | None = None,
 ) -> Detection:
     """Leave-one-out: a source's score is ``lp(full) − lp(without it)``, the drop of the gold answer's
     log-probability when it is removed (:func:`probe.faithfulness.answer_scores`), one pass per source.
@@ -36,7 +37,9 @@ def leave_one_out(
 
     - ``top_m``: only the ``top_m`` sources ranked highest by detector ``rank_by`` are removed one by
       one; every other source scores ``rank_by``'s source score times the least-squares scale that maps
-      it onto the measured drops (0 when fewer than two were measured);
+      it onto the measured drops (0 when fewer than two were measured). ``ranking`` (Tensor[sources]):
+      ``rank_by``'s source scores when they are at hand (:func:`~probe.detectors.detect_many` passes
+      the detection it already made), so that detector does not run again;
     - ``block > 1`` (hierarchical): each run of ``block`` consecutive sources is removed at once, then
       the ``refine`` blocks with the largest drops are split and their sources removed one by one;
       a source of an unrefined block scores its block's drop shared equally.
@@ -59,8 +62,14 @@ def leave_one_out(
         "refine": refine,
     }
     if top_m is not None:
-        ranking = {"target": target} if "target" in options(rank_by) else {}
-        cheap = detect(rank_by, model, tokenizer, sample, **ranking).source_scores(sample)
+        if ranking is None:
+            explained = {"target": target} if "target" in options(rank_by) else {}
+            ranking = detect(rank_by, model, tokenizer, sample, **explained).source_scores(sample)
+        if ranking.shape != (n_sources,):
+            raise ValueError(
+                f"ranking must hold one score per source ({n_sources}), got shape {tuple(ranking.shape)}"
+            )
+        cheap = ranking.float().cpu()
         chosen = torch.argsort(-cheap, stable=True)[: min(top_m, n_sources)]
         logprob = answer_scores(
             model, sample, torch.cat([none, _single(chosen, n_sources)]), reuse_prefix, target=target

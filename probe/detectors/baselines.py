@@ -22,18 +22,21 @@ def long_short_difference(
     Flags the key tokens of LongPPL eq. 4: LSD > α and LCL > β. The shared implementation is
     :func:`probe.lsd.lsd_scores` (sliding windows of step ``d``). Tokens without a
     short-context score (the first K) get score 0 and are never flagged. The paper's K=4096
-    needs samples well beyond 4K tokens; the default K=256 suits ~1K-token samples.
+    needs samples well beyond 4K tokens; the default K=256 suits ~1K-token samples. ``details``:
+    ``lcl``, and ``passes`` (the long pass and one per short-context window of up to K + d tokens).
     """
+    from probe.logprobs import short_context_blocks
     from probe.lsd import key_token_mask, lsd_scores
 
     lsd, lcl = lsd_scores(model, sample.input_ids, K=K, d=d)
+    passes = 1 + len(short_context_blocks(len(sample.input_ids), K, d))  # the long pass and each window
     flagged = key_token_mask(lsd, lcl, alpha, beta)
     flagged[sample.prompt_length :] = False
     return Detection(
         scores=lsd.nan_to_num(0.0),
         flagged=flagged,
         settings={"K": K, "d": d, "alpha": alpha, "beta": beta},
-        details={"lcl": lcl},
+        details={"lcl": lcl, "passes": passes},
     )
 
 

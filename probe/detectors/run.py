@@ -10,6 +10,8 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
+import torch
+
 from probe.at2 import HeadWeights
 from probe.attribution import AnswerAttribution, answer_attribution
 from probe.checks import check_layers, check_sample_fits
@@ -165,9 +167,25 @@ def detect_many(
                 detection = _with_target(detection, target if name in explaining else None)
                 detections[name] = _on_cpu(dataclasses.replace(detection, name=name, sample=one))
             else:
-                detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}))
+                reused = _reused_ranking(name, options, detections, one)
+                detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}), **reused)
         found.append(detections)
     return found[0] if single else found
+
+
+def _reused_ranking(
+    name: str, options: Mapping[str, Mapping[str, Any]], made: Mapping[str, Detection], sample: Sample
+) -> dict[str, torch.Tensor]:
+    """``{"ranking": …}`` for a pruned ``leave_one_out`` whose ``rank_by`` detection this call has
+    already made for the same target (then it need not run again); ``{}`` otherwise."""
+    chosen = options.get(name, {})
+    if name != "leave_one_out" or chosen.get("top_m") is None or "ranking" in chosen:
+        return {}
+    defaults = inspect.signature(registry._REGISTRY[name]).parameters
+    rank_by = chosen.get("rank_by", defaults["rank_by"].default)
+    if rank_by not in made or options.get(rank_by, {}).get("target") is not chosen.get("target"):
+        return {}
+    return {"ranking": made[rank_by].source_scores(sample)}
 
 
 # how the shared pass runs and what it explains, not what a detector reads off it
