@@ -2,9 +2,9 @@
 
 Every function here reads attention through :func:`probe.capture.trace`; none holds
 full-vocabulary logits or all layers' full attention matrices. Each checks its memory plan first
-(:func:`probe.planner.guarded`: a clear :class:`~probe.planner.WontFitError` instead of being killed), and the
-gradient probes take ``checkpoint=False | True | "auto"``: decoder layers recomputed in the
-backward pass (:func:`probe.checkpointing.checkpointed`), same result, activation memory
+(:func:`probe.planner.guarded`: a clear :class:`~probe.planner.InsufficientMemoryError` instead of
+being killed), and the gradient probes take ``checkpoint=False | True | "auto"``: decoder layers
+recomputed in the backward pass (:func:`probe.checkpointing.checkpointed`), same result, activation memory
 O(seq·hidden·layers); ``"auto"`` (the default) turns it on when the plain pass would not fit.
 :func:`answer_attribution` gets the answer rows' attention, its gradient and the input-embedding
 gradient from one forward+backward pass, for every detector that needs any of them.
@@ -20,11 +20,10 @@ import torch
 
 from probe.batch import Batch, batch_loss, batch_of, is_batch
 from probe.capture import trace
-from probe.checks import check_input_ids, check_int, check_layers, check_positions, hf_model, input_device
-from probe.modifiers import bias_keys
+from probe.checks import check_input_ids, check_layers, hf_model, input_device
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters
-from probe.target import Target, target_of
+from probe.target import Target
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
 OneIds = torch.Tensor | Sequence[int]  # one sequence: LongTensor[seq] / [1, seq], or a list of ids
@@ -472,57 +471,3 @@ def answer_attribution(
         for b in range(len(batch))
     ]
     return _one_or_all(found, single)
-
-
-def key_removal_gradient(
-    model,
-    input_ids: torch.Tensor | Sequence[int],
-    target_positions: Sequence[int],
-    checkpoint: bool | str = "auto",
-    depth: float = 0.0,
-    steps: int = 1,
-    target: Target | None = None,
-) -> torch.Tensor:
-    """∂ log P(answer) / ∂b_j at b = 0 (``target``: of another number about the answer, see
-    :mod:`probe.target`), where b_j is added to the attention logit of key j from every
-    later query, in every layer and head (:func:`probe.modifiers.bias_keys`): Tensor[seq].
-
-    A first-order estimate of what removing token j everywhere does to the answer's log-probability
-    (``b_j → −∞`` hides key j): positive = the answer leans on it. Unlike scores read off the
-    answer rows, it includes indirect paths (a later token that copied token j). Summed over a
-    source's tokens it estimates removing the source. One forward and one backward; the backward of
-    each layer materializes the attention of every row (``[heads, seq, seq]``), so without
-    checkpointing every layer keeps its own: the key-bias modifier states that term to the planner
-    (:meth:`probe.modifiers.KeyBias.memory`), and ``checkpoint="auto"`` recomputes one layer at a time
-    when the plain pass would not fit.
-
-    ``depth > 0``: the gradient integrated along the path that lowers every key's bias together from
-    0 to −``depth`` (integrated gradients on the key biases, midpoint rule over ``steps`` points):
-    ``depth · mean_k ∂ log P/∂b_j`` at ``b = −(k + ½)/steps · depth``. The scores then add up to
-    log P(answer) − log P(answer | every bias −``depth``) (completeness, to the rule's error): the
-    removal effect shared out along the way rather than its slope at the start. ``steps`` passes.
-    """
-    depth = float(depth)
-    if not depth >= 0:
-        raise ValueError(f"depth must be a bias depth >= 0 (0: the gradient at b = 0), got {depth}")
-    steps = check_int(steps, "steps", minimum=1)
-    if depth == 0 and steps != 1:
-        raise ValueError("steps > 1 needs depth > 0: the gradient at b = 0 is one pass")
-    ids = check_input_ids(model, input_ids)
-    targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)
-    inner = hf_model(model)
-    seq = ids.shape[1]
-    bias = torch.zeros(1, seq, device=ids.device, requires_grad=True)
-    total = torch.zeros(seq, device=ids.device)
-    with (
-        bias_keys(inner, bias),
-        guarded(model, seq, "embedding_grads", checkpoint, len(targets)),
-        frozen_parameters(inner),
-    ):
-        for point in range(steps):
-            with torch.no_grad():
-                bias.fill_(-(point + 0.5) / steps * depth)
-            with torch.enable_grad():
-                (grad,) = torch.autograd.grad(target_of(inner, ids, targets, target), bias)
-            total += grad[0].detach().float()
-    return (total / steps * (depth or 1.0)).cpu()

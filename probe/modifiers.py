@@ -289,7 +289,7 @@ def bias_keys(model, bias: torch.Tensor) -> Iterator[None]:
     cache. At ``bias = 0`` the model is unchanged; ``bias → −∞`` removes key j from every later
     query, so with ``bias.requires_grad`` the gradient ∂f/∂bias_j is a first-order estimate of
     removing token j everywhere, indirect paths included (see
-    :func:`probe.attribution.key_removal_gradient`). Works with checkpointing, sliding windows,
+    :func:`probe.key_removal.key_removal_gradient`). Works with checkpointing, sliding windows,
     captures and the other modifiers (a trace sees the biased attention).
     """
     if not torch.is_tensor(bias) or not bias.is_floating_point():

@@ -5,7 +5,7 @@ from the model's configuration (layers, hidden, intermediate, heads, KV heads, h
 dtype, sliding windows, which norms a decoder layer has) and the probe's settings (sequence length,
 target rows, batch, captured layers, checkpointing). No measured peak is looked up: every term is
 a count of tensors of known shape. :meth:`Plan.check` compares the prediction with the free memory
-and raises :class:`WontFitError` (a :class:`MemoryError`) with the numbers and the advice before
+and raises :class:`InsufficientMemoryError` (a :class:`MemoryError`) with the numbers and the advice before
 anything is allocated;
 :func:`guard` resolves ``checkpoint="auto"`` and checks in one call (what a probe calls first).
 
@@ -101,7 +101,7 @@ __all__ = [
     "PROBES",
     "Plan",
     "Shapes",
-    "WontFitError",
+    "InsufficientMemoryError",
     "auto_checkpoint",
     "available_memory",
     "compact_heap",
@@ -128,10 +128,16 @@ _ALIASES = {"embedding_grad_norms": "embedding_grads"}
 _GIB = 2**30
 
 
-class WontFitError(MemoryError):
+class InsufficientMemoryError(MemoryError):
     """The planner's prediction that a call would not fit in the free memory, raised before any
     allocation (a :class:`MemoryError`, so ``except MemoryError`` still catches it; an allocator's own
-    out-of-memory error is never this one)."""
+    out-of-memory error is never this one). ``plan``: the :class:`Plan` that did not fit;
+    ``available``: the free bytes it was compared with."""
+
+    def __init__(self, message: str, plan: Plan, available: int):
+        super().__init__(message)
+        self.plan = plan
+        self.available = available
 
 
 @dataclass(frozen=True)
@@ -177,7 +183,7 @@ class Plan:
         return frame.assign(gib=frame["bytes"] / _GIB, share=frame["bytes"] / max(self.total, 1))
 
     def check(self, available_bytes: int | None = None) -> Plan:
-        """Raise :class:`WontFitError` if :attr:`total` exceeds the free memory; return ``self``.
+        """Raise :class:`InsufficientMemoryError` if :attr:`total` exceeds the free memory; return ``self``.
 
         ``available_bytes``: defaults to :func:`available_memory` of the plan's device (skipped,
         silently, where that cannot be read).
@@ -195,9 +201,11 @@ class Plan:
             )
         else:
             advice = "fewer layers or target rows, a smaller batch, or a shorter input"
-        raise WontFitError(
+        raise InsufficientMemoryError(
             f"{self.probe} on {self.seq_len} tokens needs ≈ {_gib(self.total)}, {_gib(available)} free: "
-            f"{advice} ({detail}; see probe.planner.plan(...))"
+            f"{advice} ({detail}; see probe.planner.plan(...))",
+            self,
+            available,
         )
 
 
@@ -416,8 +424,8 @@ def guard(
     """What a probe calls before allocating: resolve ``checkpoint`` and check the plan.
 
     ``checkpoint="auto"`` becomes :func:`auto_checkpoint` — and True as well when neither pass fits,
-    so that the error reports the smaller need. Raises :class:`WontFitError` (see :meth:`Plan.check`)
-    when the resolved plan does not fit; returns the resolved ``checkpoint`` flag.
+    so that the error reports the smaller need. Raises :class:`InsufficientMemoryError` (see
+    :meth:`Plan.check`) when the resolved plan does not fit; returns the resolved ``checkpoint`` flag.
     """
     available = _available(model, available_bytes)
     if checkpoint == "auto":  # on whenever the plain pass does not fit (also when neither does)
@@ -450,7 +458,7 @@ def guarded(
     asked for its memory), then :func:`probe.checkpointing.checkpointed` if the resolved flag is
     set. Yields the flag.
 
-    Raises :class:`WontFitError` with the plan's numbers before anything is allocated when the
+    Raises :class:`InsufficientMemoryError` with the plan's numbers before anything is allocated when the
     call cannot fit the free memory.
     """
     resolved = guard(model, seq_len, probe, checkpoint, rows, batch, layers, active_modifiers())

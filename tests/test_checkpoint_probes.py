@@ -138,14 +138,14 @@ def test_a_call_that_cannot_fit_is_refused_before_any_forward(monkeypatch, token
     forwards = []
     model.model.register_forward_pre_hook(lambda *_: forwards.append(1))
     monkeypatch.setattr(planner, "available_memory", lambda device: 1000)
-    with pytest.raises(planner.WontFitError, match=r"needs ≈ .* free: "):
+    with pytest.raises(planner.InsufficientMemoryError, match=r"needs ≈ .* free: "):
         PROBES[name](model, tokenizer, sample, "auto")
     assert forwards == [] and not any("forward" in vars(m) for m in model.modules())
 
 
 def test_attention_rows_are_guarded_too(monkeypatch, tiny):
     monkeypatch.setattr(planner, "available_memory", lambda device: 1000)
-    with pytest.raises(planner.WontFitError, match="attention_rows on 50 tokens needs ≈"):
+    with pytest.raises(planner.InsufficientMemoryError, match="attention_rows on 50 tokens needs ≈"):
         probe.attention_rows(tiny, torch.arange(50), [10, 49])
 
 

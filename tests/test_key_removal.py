@@ -7,7 +7,7 @@ from reference import explicit_masks
 
 import probe
 from probe import detectors
-from probe.attribution import key_removal_gradient
+from probe.key_removal import key_removal_gradient
 from probe.modifiers import bias_keys
 from probe.target import target_of
 

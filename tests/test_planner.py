@@ -97,13 +97,15 @@ def test_sliding_window_masks_only_beyond_the_window():
 def test_check_raises_with_the_numbers_and_the_advice(deep):
     result = plan(deep, 500)
     assert result.check(available_bytes=result.total) is result
-    with pytest.raises(planner.WontFitError) as error:
+    with pytest.raises(planner.InsufficientMemoryError) as error:
         result.check(available_bytes=result.total // 10)
     message = str(error.value)
+    assert error.value.plan is result and error.value.available == result.total // 10
+    assert isinstance(error.value, MemoryError)
     assert message.startswith("information_flow on 500 tokens needs ≈ ")
     assert "free: pass checkpoint=True (≈ " in message
     assert "fewer layers, or a shorter input" in message and "activations" in message
-    with pytest.raises(planner.WontFitError, match="fewer layers or target rows"):
+    with pytest.raises(planner.InsufficientMemoryError, match="fewer layers or target rows"):
         plan(deep, 500, checkpoint=True).check(available_bytes=1)
     assert plan(deep, 500).check() is not None  # the real free memory: a tiny model fits
 
@@ -118,10 +120,10 @@ def test_auto_checkpoint_and_guard(deep):
     assert guard(deep, 500, checkpoint="auto", available_bytes=between) is True
     assert guard(deep, 500, checkpoint="auto", available_bytes=plain.total) is False
     assert guard(deep, 500, checkpoint=False, available_bytes=plain.total) is False
-    with pytest.raises(planner.WontFitError, match="checkpoint=True"):
+    with pytest.raises(planner.InsufficientMemoryError, match="checkpoint=True"):
         guard(deep, 500, checkpoint=False, available_bytes=between)
     # neither fits: "auto" reports the checkpointed need
-    with pytest.raises(planner.WontFitError, match="fewer layers or target rows"):
+    with pytest.raises(planner.InsufficientMemoryError, match="fewer layers or target rows"):
         guard(deep, 500, checkpoint="auto", available_bytes=checkpointed.total - 1)
     with pytest.raises(ValueError, match="'auto'"):
         guard(deep, 500, checkpoint="yes")

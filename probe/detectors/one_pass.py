@@ -18,11 +18,11 @@ from probe.attribution import (
     answer_attribution,
     attention_rows,
     embedding_grad_norms,
-    key_removal_gradient,
 )
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.checks import check_layers, hf_model, input_device
 from probe.detectors.registry import Detection, register, top_k_mask
+from probe.key_removal import key_removal_gradient
 from probe.lrp import relevance
 from probe.objectives import critical_tokens
 from probe.planner import guarded
@@ -189,7 +189,7 @@ def key_removal_grad(
     steps: int = 1,
     target: Target | None = None,
 ) -> Detection:
-    """The key-removal gradient (:func:`probe.attribution.key_removal_gradient`): ∂ log P(answer)/∂b_j
+    """The key-removal gradient (:func:`probe.key_removal.key_removal_gradient`): ∂ log P(answer)/∂b_j
     for a bias b_j on key j's attention logit from every later query, every layer and head, at b = 0.
 
     A first-order estimate of removing token j from every attention, indirect paths included (a
@@ -197,7 +197,7 @@ def key_removal_grad(
     tokens (``details["source_scores"]``), its first-order removal effect. Flags the ``top_k``
     tokens. ``depth``, ``steps``: integrate the gradient along the path of every bias from 0 to
     −``depth`` instead (``steps`` passes); ``checkpoint``: see
-    :func:`~probe.attribution.key_removal_gradient`.
+    :func:`~probe.key_removal.key_removal_gradient`.
     """
     gradient = key_removal_gradient(
         model, sample.input_ids, sample.target_positions, checkpoint, depth=depth, steps=steps, target=target
