@@ -2,7 +2,7 @@
 
 The library behind ``python -m analyses.detector_compare`` (which adds the figures and the command
 line): :func:`compare_samples` runs every detector on a batch of samples and judges it two ways,
-plausibility (:func:`probe.metrics.evaluate`) and faithfulness (:func:`judge_faithfulness`);
+plausibility (:func:`probe.metrics.plausibility`) and faithfulness (:func:`judge_faithfulness`);
 :func:`rank_table`, :func:`faithfulness_intervals` and :func:`ranks_markdown` summarise the rows.
 """
 
@@ -125,7 +125,7 @@ def compare_samples(
                 {
                     "detector": name,
                     **about,
-                    **metrics.evaluate(detection, sample, top_k),
+                    **metrics.plausibility(detection, sample, top_k),
                     **_diagnostics(detection),
                     "seconds": cost[name],
                     "passes": detection.details.get("passes", int(name in ONE_PASS)),

@@ -5,7 +5,7 @@ the gold answer teacher-forced, every chosen detector from the registry scores e
 (:func:`probe.detectors.detect_many`: the attention family from one shared forward+backward pass).
 Each detector is judged two ways on the same samples:
 
-- plausibility, :func:`probe.metrics.evaluate`: its token scores against the sample's exact spans;
+- plausibility, :func:`probe.metrics.plausibility`: its token scores against the sample's exact spans;
 - faithfulness, :func:`probe.faithfulness.evaluate`: its scores per source (fact, emoji, essay
   sentence; ``--source-reduce`` over a source's tokens, or the ablation detectors' own source
   scores) ranked, the top-k sources removed / kept (compacted passes, equal to key masking), and the

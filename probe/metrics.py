@@ -18,8 +18,8 @@ from probe.tasks import Sample
 SHARE_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
 
 
-def evaluate(detection: Detection, sample: Sample, top_k: int = 30) -> dict[str, float]:
-    """Metrics of one detection on one sample, as one flat record.
+def plausibility(detection: Detection, sample: Sample, top_k: int = 30) -> dict[str, float]:
+    """Plausibility metrics of one detection on one sample (against its exact spans), as one flat record.
 
     - ``share_{set}_{category}``: fraction of the flagged set / the top-``top_k`` set in each category;
     - ``precision_{target}`` / ``recall_{target}`` of the flagged set, target ``supporting`` or

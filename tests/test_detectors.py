@@ -171,7 +171,7 @@ def test_integrated_gradients_is_complete_and_reports_its_delta():
 def test_planted_needle_is_found(name):
     model, sample = planted_model(), hand_sample()
     detection = probe.detect(name, model, None, sample, **({} if name == "embedding_grad" else {"top_k": 3}))
-    record = metrics.evaluate(detection, sample, top_k=3)
+    record = metrics.plausibility(detection, sample, top_k=3)
     assert record["auroc"] > 0.95
     assert record["fact_hit_rate"] == 1.0
     if name != "embedding_grad":
@@ -193,12 +193,12 @@ def test_metrics_against_a_hand_count():
     flagged[[12, 13, 20, 21]] = True  # two needle tokens, two noise tokens
     scores = torch.zeros(48)
     scores[12:15] = 1.0
-    record = metrics.evaluate(detectors.Detection(scores, flagged, {}), sample, top_k=3)
+    record = metrics.plausibility(detectors.Detection(scores, flagged, {}), sample, top_k=3)
     assert record["precision_supporting"] == 0.5 and record["recall_supporting"] == pytest.approx(2 / 3)
     assert record["share_flagged_supporting"] == 0.5 and record["share_flagged_noise"] == 0.5
     assert record["auroc"] == 1.0 and record["fact_hit_rate"] == 1.0
     assert record["share_top_k_supporting"] == 1.0
-    empty = metrics.evaluate(
+    empty = metrics.plausibility(
         detectors.Detection(torch.zeros(48), torch.zeros(48, dtype=torch.bool), {}), sample
     )
     assert empty["precision_supporting"] == 0.0 and empty["auroc"] == 0.5

@@ -80,7 +80,7 @@ def test_every_detector_on_the_device_equals_the_cpu(models, tokenizer, sample, 
     expected = detectors.detect(name, model, tokenizer, sample, **options)
     with context():
         found = detectors.detect(name, moved, tokenizer, sample, **options)
-        scores = metrics.evaluate(found, sample)
+        scores = metrics.plausibility(found, sample)
         frame = found.to_frame(tokenizer, sample)
         html = found._view(sample)
     if name == "fr" and atol > 1e-4:
@@ -89,7 +89,7 @@ def test_every_detector_on_the_device_equals_the_cpu(models, tokenizer, sample, 
         return
     close(found.scores, expected.scores, atol)
     assert torch.equal(found.flagged, expected.flagged)
-    for key, value in metrics.evaluate(expected, sample).items():
+    for key, value in metrics.plausibility(expected, sample).items():
         close(scores[key], value, atol)
     pd.testing.assert_frame_equal(frame, expected.to_frame(tokenizer, sample), atol=atol, rtol=1e-3)
     assert html.count("<span") >= len(sample.input_ids)  # the view renders every token

@@ -104,12 +104,12 @@ def test_unknown_detectors_nan_scores_and_another_samples_detection_are_refused(
     scores = torch.rand(len(sample.input_ids))
     scores[3] = float("nan")
     with pytest.raises(ValueError, match=r"'mine' has NaN scores at context positions \[3\]"):
-        metrics.evaluate(Detection(scores, scores > 0.5, {}, name="mine"), sample)
+        metrics.plausibility(Detection(scores, scores > 0.5, {}, name="mine"), sample)
     short = torch.rand(5)
     with pytest.raises(ValueError, match="5 token scores but the sample has 48 tokens: .* another sample"):
-        metrics.evaluate(Detection(short, short > 0.5, {}, name="mine"), sample)
+        metrics.plausibility(Detection(short, short > 0.5, {}, name="mine"), sample)
     with pytest.raises(ValueError, match="top_k must be at least 1, got 0"):
-        metrics.evaluate(Detection(scores.nan_to_num(), scores > 0.5, {}, name="mine"), sample, top_k=0)
+        metrics.plausibility(Detection(scores.nan_to_num(), scores > 0.5, {}, name="mine"), sample, top_k=0)
     with pytest.raises(ValueError, match="digits must be at least 1, got 0"):
         tasks.make(
             "passkey", AutoTokenizer.from_pretrained(converted_folder("smollm2-135m")), 256, seed=0, digits=0
