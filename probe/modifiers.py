@@ -34,19 +34,12 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
-class HeadAblation(Modifier):
-    """Query heads whose output is zeroed, by layer: ``heads`` {layer: [head, ...]}."""
+class HeadModifier(Modifier):
+    """An output modifier of chosen query heads, by layer: ``heads`` {layer: [head, ...]}. It has taken
+    effect once one of those layers ran."""
 
     changes = frozenset({OUTPUTS})
     heads: dict[int, list[int]]
-
-    def outputs(self, output: torch.Tensor, call: LayerCall) -> torch.Tensor:
-        heads = self.heads.get(call.layer)
-        if not heads:
-            return output
-        keep = torch.ones(output.shape[2], dtype=output.dtype, device=output.device)
-        keep[heads] = 0
-        return output * keep[:, None]
 
     def reach(self, layer: int | None) -> None:
         if layer in self.heads:
@@ -55,6 +48,19 @@ class HeadAblation(Modifier):
     def finish(self, inner) -> None:
         if self.heads and not self.layers_seen:
             raise not_reached(inner)
+
+
+@dataclass(eq=False)
+class HeadAblation(HeadModifier):
+    """Query heads whose output is zeroed."""
+
+    def outputs(self, output: torch.Tensor, call: LayerCall) -> torch.Tensor:
+        heads = self.heads.get(call.layer)
+        if not heads:
+            return output
+        keep = torch.ones(output.shape[2], dtype=output.dtype, device=output.device)
+        keep[heads] = 0
+        return output * keep[:, None]
 
 
 @dataclass(eq=False)

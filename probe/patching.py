@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from probe.attention import OUTPUTS, LayerCall, Modifier, modify, not_reached
+from probe.attention import OUTPUTS, LayerCall, Modifier, modify
 from probe.capture import HOOK_NAMES, ActivationCache
 from probe.checkpointing import recomputing
 from probe.checks import check_layers, hf_model, n_layers
-from probe.modifiers import check_heads
+from probe.modifiers import HeadModifier, check_heads
 
 if TYPE_CHECKING:
     from probe.shapes import Shapes
@@ -53,11 +53,9 @@ class HeadRecord(Modifier):
 
 
 @dataclass(eq=False)
-class HeadPatch(Modifier):
-    """The outputs of ``heads`` {layer: [head, ...]} replaced by ``source``'s."""
+class HeadPatch(HeadModifier):
+    """The outputs of ``heads`` replaced by ``source``'s."""
 
-    changes = frozenset({OUTPUTS})
-    heads: dict[int, list[int]]
     source: ActivationCache
 
     def outputs(self, output: torch.Tensor, call: LayerCall) -> torch.Tensor:
@@ -74,14 +72,6 @@ class HeadPatch(Modifier):
         index = torch.tensor(heads, device=output.device)
         patched = source.to(output.device, output.dtype).index_select(2, index.to(source.device))
         return output.index_copy(2, index, patched.expand(output.shape[0], -1, -1, -1))
-
-    def reach(self, layer: int | None) -> None:
-        if layer in self.heads:
-            self.layers_seen.add(layer)
-
-    def finish(self, inner) -> None:
-        if self.heads and not self.layers_seen:
-            raise not_reached(inner)
 
 
 @contextmanager
