@@ -138,14 +138,19 @@ def longppl_beats_ppl(figures: Path) -> Measured:
 # --- CDT (seed 002) ----------------------------------------------------------------------------------
 
 
-def faithfulness_rows(figures: Path) -> pd.DataFrame:
-    """Every detector-comparison sample's faithfulness rows, each (model, task, seed) once."""
-    frames = [pd.read_csv(path) for path in sorted(figures.glob("**/detector_*_faithfulness.csv"))]
-    if not frames:
+def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
+    """Every detector-comparison study's faithfulness rows under ``figures``, one frame per CSV."""
+    studies = [pd.read_csv(path) for path in sorted(figures.glob("**/detector_*_faithfulness.csv"))]
+    if not studies:
         raise FileNotFoundError(
             f"no detector_*_faithfulness.csv under {figures}: run analyses.detector_compare"
         )
-    rows = pd.concat(frames, ignore_index=True)
+    return studies
+
+
+def faithfulness_rows(figures: Path) -> pd.DataFrame:
+    """Every detector-comparison sample's faithfulness rows, each (model, task, seed) once."""
+    rows = pd.concat(faithfulness_studies(figures), ignore_index=True)
     return rows.drop_duplicates(subset=["model", "length", "task", "seed", "scorer"])
 
 
@@ -170,12 +175,20 @@ def detector_advantage(
 
 def ranking_by_length(figures: Path) -> pd.DataFrame:
     """Each detector-comparison study's scorers: mean LDS and AOPC of comprehensiveness with 95 %
-    bootstrap intervals over samples, and the LDS rank within the study (1 = most faithful).
+    bootstrap intervals over samples, and the LDS rank within the study (1 = most faithful). Of several
+    studies of one model at one length, the one with the most samples stands for it (its own protocol,
+    not mixed with earlier ones).
 
     One row per (model, length, scorer): ``n`` samples, ``lds``, ``lds_low``, ``lds_high``,
     ``aopc``, ``aopc_low``, ``aopc_high``, ``rank``.
     """
-    rows = faithfulness_rows(figures)
+    largest: dict[tuple, pd.DataFrame] = {}
+    for study in faithfulness_studies(figures):
+        for key, rows in study.groupby(["model", "length"]):
+            size = len(rows[["task", "seed"]].drop_duplicates())
+            if key not in largest or size > len(largest[key][["task", "seed"]].drop_duplicates()):
+                largest[key] = rows
+    rows = pd.concat(largest.values(), ignore_index=True)
     records = []
     for (model, length, scorer), group in rows.groupby(["model", "length", "scorer"]):
         lds = bootstrap(group.lds, over="samples")
