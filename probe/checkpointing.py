@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from probe.attention import Modifier, active_modifiers, with_modifiers
-from probe.checks import UnsupportedModelError, hf_model
+from probe.checks import CACHE_KEYWORDS, UnsupportedModelError, hf_model
 
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("longprobe_recomputing", default=False)
 
@@ -70,7 +70,7 @@ def _checkpointing(forward: Callable) -> Callable:
     def checkpointed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if kwargs.get("past_key_values") is not None:
+        if any(kwargs.get(name) is not None for name in CACHE_KEYWORDS):
             raise ValueError("checkpointing cannot write a KV cache; call the model with use_cache=False")
         modifiers = active_modifiers()
         return checkpoint(

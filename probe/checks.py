@@ -11,6 +11,7 @@ and what to do in the message.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import weakref
 from collections.abc import Sequence
@@ -49,6 +50,16 @@ def _bidirectional(module: torch.nn.Module) -> UnsupportedModelError:
         "probes read causal attention, where each token sees only the ones before it: use a decoder-only "
         "causal language model (AutoModelForCausalLM)"
     )
+
+
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+def cache_keyword(model) -> str:
+    """The keyword under which ``model``'s forward takes and returns its KV cache: ``cache`` from
+    transformers 5.24 on, ``past_key_values`` before (and in models that still use it)."""
+    parameters = inspect.signature(model.forward).parameters
+    return next((name for name in CACHE_KEYWORDS if name in parameters), CACHE_KEYWORDS[1])
 
 
 def input_device(model) -> torch.device:

@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 
-from probe.checks import check_input_ids, check_sample_fits, hf_model
+from probe.checks import cache_keyword, check_input_ids, check_sample_fits, hf_model
 from probe.modifiers import mask_keys, original_positions
 from probe.target import Target, target_value
 from probe.tasks import Sample, Source
@@ -124,11 +124,11 @@ def answer_scores(
     order = sorted(range(len(removed)), key=starts.__getitem__)
     logprob = torch.empty(len(removed))
     correct = torch.empty(len(removed), dtype=torch.bool)
-    cache, done = None, 0
+    cache, done, keyword = None, 0, cache_keyword(inner)
     for batch in (order[i : i + batch_size] for i in range(0, len(order), batch_size)):
         first = starts[batch[0]]
         if first > done:  # extend the unmasked prefix cache up to this batch's first removed token
-            cache = inner(input_ids=ids[:, done:first], past_key_values=cache, use_cache=True).past_key_values
+            cache = inner(input_ids=ids[:, done:first], use_cache=True, **{keyword: cache})[keyword]
             done = first
         past = None
         if first:
@@ -146,7 +146,7 @@ def _masked_pass(inner, ids, hidden, first: int, past, rows: torch.Tensor) -> to
     with mask_keys(inner, hidden):
         return inner(
             input_ids=ids[:, first:].expand(len(hidden), -1),
-            past_key_values=past,
+            **{cache_keyword(inner): past},
             use_cache=first > 0,
             logits_to_keep=rows - first,
         ).logits.float()
@@ -171,7 +171,7 @@ def _compacted_pass(inner, ids, hidden, first: int, past, rows: torch.Tensor) ->
             input_ids=ids[0, tokens],
             position_ids=tokens,
             attention_mask=torch.ones(len(hidden), first + length, dtype=torch.long, device=ids.device),
-            past_key_values=past,
+            **{cache_keyword(inner): past},
             use_cache=first > 0,
             logits_to_keep=rows - ids.shape[1] + length,  # the answer rows sit at the end
         ).logits.float()

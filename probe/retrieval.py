@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from probe import views
 from probe.capture import trace
-from probe.checks import check_input_ids, hf_model, n_layers
+from probe.checks import cache_keyword, check_input_ids, hf_model, n_layers
 from probe.results import read_json, write_json
 from probe.shared_state import frozen_parameters
 from probe.tasks import Sample
@@ -217,13 +217,14 @@ def decode_with_argmax(
     if ids.shape[1] < 2:
         raise ValueError("the prompt needs at least 2 tokens (one to prefill, one to decode from)")
     with frozen_parameters(inner):
-        cache = inner(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+        keyword = cache_keyword(inner)
+        cache = inner(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1)[keyword]
         token, length = ids[:, -1:], ids.shape[1]
         generated, argmax = [], []
         for _ in range(max_new_tokens):
             with trace(model, rows=[0]) as captured:
-                out = inner(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                out = inner(input_ids=token, use_cache=True, **{keyword: cache})
+            cache, token = out[keyword], out.logits[:, -1].argmax(-1, keepdim=True)
             patterns = [captured["pattern", layer][0, :, 0] for layer in range(n_layers(inner))]  # [H, kv]
             argmax.append(torch.stack([length - p.shape[-1] + p.argmax(-1) for p in patterns]))
             generated.append(int(token))

@@ -7,7 +7,7 @@ import torch
 from reference import eager_forward, embedding_grad_reference, information_flow_reference
 
 import probe
-from probe.checks import UnsupportedModelError
+from probe.checks import UnsupportedModelError, cache_keyword
 
 ATOL = 1e-5
 SEQ = 24  # longer than the tiny Gemma's sliding window (6), so sliding masks matter
@@ -96,9 +96,10 @@ def test_trace_restores_after_an_exception(tiny):
 def test_trace_captures_the_decoding_row_under_a_kv_cache(tiny):
     ids = random_ids(tiny)
     with torch.no_grad():
-        past = tiny(input_ids=ids[:, :-1], use_cache=True).past_key_values
+        keyword = cache_keyword(tiny)
+        past = tiny(input_ids=ids[:, :-1], use_cache=True)[keyword]
         with probe.trace(tiny, rows=[0]) as cache:
-            tiny(input_ids=ids[:, -1:], past_key_values=past, use_cache=True)
+            tiny(input_ids=ids[:, -1:], use_cache=True, **{keyword: past})
     attentions, _ = eager_forward(tiny, ids)
     for layer, attention in enumerate(attentions):
         got = cache["pattern", layer][0, :, 0]

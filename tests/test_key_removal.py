@@ -7,6 +7,7 @@ from reference import explicit_masks
 
 import probe
 from probe import detectors
+from probe.checks import cache_keyword
 from probe.key_removal import key_removal_gradient
 from probe.modifiers import bias_keys
 from probe.target import target_of
@@ -68,9 +69,10 @@ def test_bias_keys_at_zero_changes_nothing_and_refuses_a_kv_cache(tiny, ids):
         with bias_keys(tiny, torch.zeros(SEQ)):
             biased = tiny(input_ids=ids, use_cache=False).logits
         assert torch.allclose(plain, biased, atol=1e-6)
-        past = tiny(input_ids=ids[:, :-1]).past_key_values
+        keyword = cache_keyword(tiny)
+        past = tiny(input_ids=ids[:, :-1])[keyword]
         with pytest.raises(ValueError, match="without a KV cache"), bias_keys(tiny, torch.zeros(SEQ)):
-            tiny(input_ids=ids[:, -1:], past_key_values=past)
+            tiny(input_ids=ids[:, -1:], **{keyword: past})
 
 
 def test_detectors_sum_their_first_order_effects_over_sources(tokenizer_sample):
