@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 IMPLEMENTATION = "longprobe"
 INPUTS, SCORES, MASK, POSITIONS, OUTPUTS = "inputs", "scores", "mask", "positions", "outputs"
+EXACT_BLOCK = 256  # query rows per block of exact softmax attention (soft-capping, sinks)
 
 
 @dataclass(frozen=True)
@@ -405,9 +406,14 @@ def _attention_output(module, query, key, value, attention_mask, logits: Logits,
         )[0]
     if dropout > 0:
         raise ValueError("attention dropout is active: call model.eval() before probing attention")
-    rows = torch.arange(query.shape[2], device=query.device)
-    pattern = pattern_blocks(query, key, rows, attention_mask, logits, 256)
-    return apply_pattern(pattern, value).to(value.dtype)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    exact = torch.promote_types(query.dtype, torch.float32)
+    key, value = key.to(exact), value.to(exact)  # upcast once: every block reads the same copy
+    outputs = []  # block by block: autograd keeps each block's pattern once, never a concatenated copy
+    for block in torch.arange(q_len, device=query.device).split(EXACT_BLOCK):
+        mask = mask_rows(attention_mask, block, q_len, kv_len, window, query.dtype)
+        outputs.append(apply_pattern(logits.pattern(query, key, block, mask), value))
+    return torch.cat(outputs, dim=1).to(query.dtype)
 
 
 def _in_original_positions(mask_function: Callable, table: torch.Tensor) -> Callable:

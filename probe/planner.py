@@ -31,6 +31,16 @@ converts the boolean one to: ``a·n`` bytes per token, one per layer (the *atten
 Under longprobe's attention function (a trace or a modifier is active) a sliding layer with
 ``n > 2·window`` runs in bands of one window of queries (:func:`probe.attention.runs_in_bands`): no
 float mask of ``n²``, but each band's mask and sdpa output, ``a(2·window + Hh)`` bytes per token.
+That is the attention of sdpa. Two other paths keep every row's probabilities instead
+(:meth:`~probe.shapes.Shapes.attention_saved`, checked with the same hooks on Gemma 2 and gpt-oss):
+longprobe's exact softmax, which serves soft-capped (Gemma 2) and sink (gpt-oss) logits under a trace
+or modifier, ``4(Hh + 2Kh) + 4H·n`` (twice the probabilities' ``4H·n`` when soft-capped, since the
+tanh output is kept too), and the model's own eager attention in a plain pass (transformers' only path
+for those two models, or a model loaded with ``attn_implementation="eager"``), ``a(Hh + 2K'h) + 4H·n``
+with ``K' = H`` when ``K < H``; their scores run as two score-sized transients in
+``layer_workspace`` (row blocks of 256 for the exact path), and eager masks are float
+(``(1 + a)·n²`` per kind). Mixture-of-experts MLPs are counted as one dense MLP of the expert size: an
+underestimate for those models.
 For :func:`~probe.attribution.information_flow` nothing before the first captured layer needs a
 gradient; that layer saves only ``(N−1)·4(d+1) + a·g·m`` (the part after its attention output)
 and the layers before it nothing.
@@ -84,7 +94,7 @@ from dataclasses import dataclass, field
 
 from transformers import PretrainedConfig
 
-from probe.attention import Modifier, active_modifiers, runs_in_bands
+from probe.attention import EXACT_BLOCK, Modifier, active_modifiers, runs_in_bands
 from probe.checkpointing import checkpointed
 from probe.checks import input_device
 from probe.memory import (
@@ -288,29 +298,33 @@ def _phases(
 ) -> dict[str, dict[str, int]]:
     """Every phase's terms (bytes) for one call; see the module docstring for each formula."""
     a, d, m = s.act_bytes, s.hidden, s.intermediate
-    everywhere = masked or batch > 1
+    own = modified or probe in ("information_flow", "answer_attribution", "attention_rows")
+    path = s.attention_path(own)  # sdpa, longprobe's exact softmax, or the model's eager attention
+    everywhere = masked or batch > 1 or path == "eager"
     mask_of = [s.masked(layer, n, everywhere) for layer in range(s.layers)]
     # under longprobe's attention function a sliding layer beyond two windows runs in bands
-    banded = modified or probe in ("information_flow", "answer_attribution", "attention_rows")
-    windowed = [banded and runs_in_bands(w, n, n) for w in s.windows]
-    full_mask = [mask_of[layer] and not windowed[layer] for layer in range(s.layers)]
+    windowed = [own and path == "sdpa" and runs_in_bands(w, n, n) for w in s.windows]
+    # a layer whose sdpa gets a whole [n, n] mask (sdpa turns it into a float copy)
+    sdpa_mask = [path == "sdpa" and mask_of[layer] and not windowed[layer] for layer in range(s.layers)]
     kinds = {s.windows[layer] is not None for layer in range(s.layers) if mask_of[layer]}
     if everywhere:
         kinds = {True, False} if any(w is not None for w in s.windows) else {False}
-    masks = batch * n * n * len(kinds)
+    masks = batch * n * n * len(kinds) * (1 + a if path == "eager" else 1)  # eager: + its float copy
     float_mask = batch * a * n * n
+    score_rows = {"sdpa": 0, "exact": min(EXACT_BLOCK, n), "eager": n}[path]
+    scores = batch * 2 * 4 * s.heads * score_rows * n  # two score-sized tensors of the running layer
     rope = batch * s.rope_kinds * 2 * n * s.head_dim * a
     other = rope + batch * n * 4 * (d + 1)  # rotary tables, the final norm's saved input
     pattern = batch * len(captured) * s.heads * rows * n * 4
     row_extras = batch * len(captured) * 8 * s.heads * rows * s.head_dim
-    forward_ws = batch * n * a * (3 * m + 3 * d)
+    forward_ws = batch * n * a * (3 * m + 3 * d) + scores
     if probe not in GRAD_PROBES:  # no backward: one layer's working set, captured rows, the result
         logits = batch * rows * s.vocab * (a + 4) if probe == "forward" else batch * s.vocab * (a + 4)
         run = _terms(
             layer_workspace=forward_ws,
             captured_rows=pattern if probe == "attention_rows" else 0,
             masks=masks,
-            attention_workspace=float_mask if any(full_mask) else 0,
+            attention_workspace=float_mask if any(sdpa_mask) else 0,
             logits=logits,
             other=rope + batch * n * d * a,  # rotary tables and the final hidden states
         )
@@ -324,7 +338,7 @@ def _phases(
     partial = probe == "information_flow"  # its first grad layer saves only what follows attention
     differentiated = [layer for layer in grad_layers if not (partial and layer == first_grad)]
     saved = [
-        s.saved(layer, n, mask_of[layer], layer not in differentiated)
+        s.saved(layer, n, mask_of[layer], layer not in differentiated, path)
         + (
             a * (2 * s.windows[layer] + s.heads * s.head_dim)
             if windowed[layer] and layer in differentiated
@@ -333,7 +347,7 @@ def _phases(
         for layer in grad_layers
     ]  # a band layer also keeps each band's mask [window, 2·window] and each band's sdpa output
     # layers whose sdpa is differentiated (the partial first layer's is not) and gets a full mask
-    masked_grad = sum(full_mask[layer] for layer in differentiated)
+    masked_grad = sum(sdpa_mask[layer] for layer in differentiated)
     logits = batch * rows * s.vocab * (12 + (a if a != 4 else 0))
     embeddings = 2 * batch * n * d * a if probe in ("embedding_grads", "answer_attribution") else 0
     heap = _heap_slack(s.device)
@@ -342,13 +356,13 @@ def _phases(
     if checkpoint:  # the layer inputs stay; one layer at a time is recomputed and differentiated
         inputs = batch * len(grad_layers) * n * d * a
         loss_activations, backward_activations = inputs, inputs + batch * n * max(saved)
-        workspace = batch * 3 * n * a * m
-        attention_ws = float_mask if any(full_mask[layer] for layer in grad_layers) else 0
+        workspace = batch * 3 * n * a * m + scores
+        attention_ws = float_mask if any(sdpa_mask[layer] for layer in grad_layers) else 0
         holes = batch * n * d * a < MMAP_THRESHOLD_MAX  # a hidden state small enough for the heap
         allocator = heap * holes * CHECKPOINT_HEAP_HOLES * inputs
     else:  # every layer's saved tensors stay until its backward
         loss_activations = backward_activations = batch * n * sum(saved)
-        workspace = batch * n * a * (m + d)
+        workspace = batch * n * a * (m + d) + scores
         attention_ws = float_mask * masked_grad
         allocator = round(heap * PLAIN_HEAP_SLACK * backward_activations)
     common = {"masks": masks, "embeddings": embeddings // 2, "other": other, "allocator": allocator}

@@ -27,6 +27,9 @@ class Shapes:
     qk_norms: bool = False  # per-head q_norm / k_norm (Gemma 3, Qwen 3)
     gated: bool = True  # gated MLP (act(gate(x)) * up(x))
     rope_kinds: int = 1  # distinct rotary tables (Gemma 3: local and global)
+    softcap: bool = False  # soft-capped attention logits (Gemma 2)
+    sinks: bool = False  # one sink logit per head in the softmax denominator (gpt-oss)
+    eager: bool = False  # the model's own attention is transformers' eager one
     device: str = "cpu"
 
     @classmethod
@@ -37,11 +40,13 @@ class Shapes:
             dtype = getattr(config, "dtype", None) or torch.float32
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
             device = "cpu"
+            sinks = config.model_type.startswith("gpt_oss")
         else:
             inner = hf_model(model)
             config = inner.config.get_text_config()
             dtype = next(inner.parameters()).dtype
             device = input_device(inner).type  # offloaded weights live on "meta"; compute does not
+            sinks = any(torch.is_tensor(getattr(module, "sinks", None)) for module in inner.modules())
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
@@ -67,19 +72,31 @@ class Shapes:
             qk_norms=qk_norms,
             gated=gated,
             rope_kinds=max(1, len({w is None for w in windows})),
+            softcap=getattr(config, "attn_logit_softcapping", None) is not None,
+            sinks=sinks,
+            eager=getattr(config, "_attn_implementation", None) == "eager",
             device=device,
         )
+
+    def attention_path(self, own: bool) -> str:
+        """How the attention of a layer runs: ``"exact"`` (longprobe's exact softmax in row blocks, for
+        soft-capped or sink logits), ``"eager"`` (transformers' eager attention, the model's own) or
+        ``"sdpa"``. ``own``: under longprobe's attention function (a trace or a modifier is active)."""
+        if own:
+            return "exact" if self.softcap or self.sinks else "sdpa"
+        return "eager" if self.eager else "sdpa"
 
     def masked(self, layer: int, seq: int, everywhere: bool) -> bool:
         """Whether ``layer``'s sdpa gets a materialized mask for a ``seq``-token input."""
         window = self.windows[layer]
         return everywhere or (window is not None and seq > window)
 
-    def saved(self, layer: int, seq: int, masked: bool, first: bool) -> int:
+    def saved(self, layer: int, seq: int, masked: bool, first: bool, path: str = "sdpa") -> int:
         """Bytes ``layer`` saves for backward per token, float mask excluded (formula S in probe.planner).
 
         ``first``: nothing upstream needs a gradient, so only the part after the attention output
-        is saved (the first captured layer of ``information_flow``).
+        is saved (the first captured layer of ``information_flow``). ``path``: how its attention runs
+        (:meth:`attention_path`).
         """
         a, d, h = self.act_bytes, self.hidden, self.head_dim
         norm = 4 * (d + 1)
@@ -89,9 +106,33 @@ class Shapes:
         qk = 0
         if self.qk_norms:
             qk = 4 * (self.heads * h + self.heads) + 4 * (self.kv_heads * h + self.kv_heads)
-        kv = self.heads if masked and 1 < self.kv_heads < self.heads else self.kv_heads
-        sdpa = a * (2 * self.heads * h + 2 * kv * h) + 4 * self.heads
-        return self.hidden_norms * norm + qk + sdpa + mlp
+        return self.hidden_norms * norm + qk + self.attention_saved(seq, masked, path) + mlp
+
+    def attention_saved(self, seq: int, masked: bool, path: str) -> int:
+        """Bytes the attention itself saves for backward per token (``n`` = ``seq`` keys):
+
+        - ``sdpa``: q, k, v, its output and the log-sum-exp, ``a(2Hh + 2K'h) + 4H``;
+        - ``exact``: q (gathered per row block), k and v in fp32, the fp32 probabilities of every row
+          (``n`` keys, + 1 sink column) and, when soft-capped, the tanh output: ``4(Hh + 2Kh) +
+          4H(n(1 + softcap) + sinks)``;
+        - ``eager``: q and the ``repeat_kv`` copies of k and v (``K' = H`` when ``K < H``), the fp32
+          probabilities and their copy in the model's dtype (none in fp32), the tanh output when
+          soft-capped: ``a(Hh + 2K'h) + 4Hn [+ aHn] [+ aHn]``; with sinks the probabilities are in the
+          model's dtype with the sink column, plus the row maxima's indices: ``aH(n + 1) + 8H``.
+        """
+        a, h, heads, kv_heads = self.act_bytes, self.head_dim, self.heads, self.kv_heads
+        if path == "exact":
+            rows = 4 * heads * (seq * (1 + self.softcap) + self.sinks)
+            return 4 * (heads * h + 2 * kv_heads * h) + rows
+        if path == "eager":
+            kv = heads if kv_heads < heads else kv_heads
+            if self.sinks:
+                probabilities = a * heads * (seq + 1) + 8 * heads
+            else:
+                probabilities = 4 * heads * seq + (a * heads * seq if a != 4 else 0)
+            return a * (heads * h + 2 * kv * h) + probabilities + self.softcap * a * heads * seq
+        kv = heads if masked and 1 < kv_heads < heads else kv_heads
+        return a * (2 * heads * h + 2 * kv * h) + 4 * heads
 
 
 def _layer_structure(inner, config, head_dim: int) -> tuple[int, bool, bool]:

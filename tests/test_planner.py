@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_architectures import build
 
 import probe
 from probe import memory, planner
@@ -173,14 +174,15 @@ def test_available_memory_is_read():
     assert isinstance(plan(probe.tiny_model(), 10), Plan)
 
 
-def _saved_bytes(model, run) -> int:
-    """Bytes autograd saves inside decoder layers while ``run()`` runs: distinct storages, parameters
-    and captured attention rows (counted by the planner as ``captured_rows``) left out."""
+def _saved_bytes(model, run, modules=None) -> int:
+    """Bytes autograd saves inside ``modules`` (default: the decoder layers) while ``run()`` runs:
+    distinct storages, parameters and captured attention rows (counted by the planner as
+    ``captured_rows``) left out."""
     params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     inside, seen = [False], {}
-    for layer in model.model.layers:
-        layer.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
-        layer.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    for module in model.model.layers if modules is None else modules:
+        module.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+        module.register_forward_hook(lambda *_: inside.__setitem__(0, False))
 
     def pack(tensor):
         storage = tensor.untyped_storage()
@@ -194,15 +196,8 @@ def _saved_bytes(model, run) -> int:
     return sum(size for ptr, size in seen.items() if ptr not in rows)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize(
-    "name,layers", [("information_flow", None), ("information_flow", [1, 2]), ("embedding_grads", None)]
-)
-def test_predicted_activations_equal_the_bytes_autograd_saves(arch, name, layers):
-    """The measured-vs-predicted check that does not depend on the allocator: what the layers save
-    for backward (saved-tensor hooks) against ``activations`` + the saved float masks."""
-    model = probe.tiny_model(arch, num_hidden_layers=4, max_position_embeddings=512)
-    n, rows = 300, 4
+def _probe_run(model, name: str, n: int, rows: int, layers=None):
+    """A call of probe ``name`` on random ids: ``information_flow`` as a trace of the target loss."""
     ids = torch.randint(0, 128, (1, n))
     targets = torch.arange(n - rows, n)
 
@@ -218,10 +213,62 @@ def test_predicted_activations_equal_the_bytes_autograd_saves(arch, name, layers
             probe.target_loss(model, ids, targets).backward()
         return cache
 
-    measured = _saved_bytes(model, run)
+    return run
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize(
+    "name,layers", [("information_flow", None), ("information_flow", [1, 2]), ("embedding_grads", None)]
+)
+def test_predicted_activations_equal_the_bytes_autograd_saves(arch, name, layers):
+    """The measured-vs-predicted check that does not depend on the allocator: what the layers save
+    for backward (saved-tensor hooks) against ``activations`` + the saved float masks."""
+    model = probe.tiny_model(arch, num_hidden_layers=4, max_position_embeddings=512)
+    n, rows = 300, 4
+    measured = _saved_bytes(model, _probe_run(model, name, n, rows, layers))
     predicted = plan(model, n, name, rows=rows, layers=layers)
     expected = predicted.terms["activations"] + predicted.terms["attention_workspace"]
     # what the planner leaves to other terms: rotary tables, row-sized tensors (< 4 % on tiny shapes)
+    assert measured == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "arch,name",
+    [
+        ("Gemma 2 (logit soft-capping)", "information_flow"),  # longprobe's exact softmax
+        ("Gemma 2 (logit soft-capping)", "embedding_grads"),  # eager, soft-capped
+        ("Llama", "embedding_grads"),  # eager
+    ],
+)
+def test_eager_and_exact_softmax_attention_save_what_the_planner_counts(arch, name):
+    """The model's own eager attention (a plain pass) and longprobe's exact softmax for soft-capped
+    logits (a trace) each keep every row's probabilities, ``[heads, n, n]`` a layer: the planner counts
+    them (Gemma 2 runs eager by default; the Llama is switched to eager)."""
+    model = build(arch)
+    model.set_attn_implementation("eager")
+    n, rows = 300, 4
+    measured = _saved_bytes(model, _probe_run(model, name, n, rows))
+    predicted = plan(model, n, name, rows=rows)
+    expected = predicted.terms["activations"] + predicted.terms["attention_workspace"]
+    assert Shapes.of(model).eager
+    assert measured == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["information_flow", "embedding_grads"])
+def test_attention_with_sink_logits_saves_what_the_planner_counts(name):
+    """gpt-oss's sink logits, eager (a plain pass) and longprobe's exact softmax (a trace): the bytes
+    its attention modules save against :meth:`Shapes.attention_saved` of the differentiated layers (its
+    mixture-of-experts MLP is not modelled by the planner, so whole layers are not compared)."""
+    model = build("gpt-oss (sink logits)")
+    n, rows = 300, 4
+    attention = [layer.self_attn for layer in model.model.layers]
+    measured = _saved_bytes(model, _probe_run(model, name, n, rows), attention)
+    shapes = Shapes.of(model)
+    own = name == "information_flow"  # a trace runs longprobe's attention function
+    differentiated = range(1 if own else 0, shapes.layers)  # a trace's first layer saves no attention
+    path = shapes.attention_path(own)
+    expected = n * sum(shapes.attention_saved(n, True, path) for _ in differentiated)
+    assert shapes.sinks and path == ("exact" if own else "eager")
     assert measured == pytest.approx(expected, rel=0.05)
 
 
