@@ -22,6 +22,7 @@ def key_removal_gradient(
     depth: float = 0.0,
     steps: int = 1,
     target: Target | None = None,
+    sources: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """∂ log P(answer) / ∂b_j at b = 0 (``target``: of another number about the answer, see
     :mod:`probe.target`), where b_j is added to the attention logit of key j from every
@@ -41,6 +42,10 @@ def key_removal_gradient(
     ``depth · mean_k ∂ log P/∂b_j`` at ``b = −(k + ½)/steps · depth``. The scores then add up to
     log P(answer) − log P(answer | every bias −``depth``) (completeness, to the rule's error): the
     removal effect shared out along the way rather than its slope at the start. ``steps`` passes.
+
+    ``sources``: token spans ``(start, end)`` removed as units. A query inside a key's own span then
+    gets no bias on it: removing the span removes that query too, so its reading of the span is no
+    path by which the removal reaches the answer. Tokens outside every span stay units of their own.
     """
     depth = float(depth)
     if not depth >= 0:
@@ -52,10 +57,11 @@ def key_removal_gradient(
     targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)
     inner = hf_model(model)
     seq = ids.shape[1]
+    units = None if sources is None else removal_units(sources, seq)
     bias = torch.zeros(1, seq, device=ids.device, requires_grad=True)
     total = torch.zeros(seq, device=ids.device)
     with (
-        bias_keys(inner, bias),
+        bias_keys(inner, bias, units),
         guarded(model, seq, "embedding_grads", checkpoint, len(targets)),
         frozen_parameters(inner),
     ):
@@ -66,3 +72,17 @@ def key_removal_gradient(
                 (grad,) = torch.autograd.grad(target_of(inner, ids, targets, target), bias)
             total += grad[0].detach().float()
     return (total / steps * (depth or 1.0)).cpu()
+
+
+def removal_units(sources: Sequence[tuple[int, int]], seq: int) -> torch.Tensor:
+    """LongTensor[seq]: one unit per span ``(start, end)`` of ``sources`` (end exclusive), and one per
+    token outside them. Spans must lie in ``[0, seq)`` and not overlap."""
+    units = torch.arange(seq)
+    for index, (start, end) in enumerate(sources):
+        start, end = check_int(start, f"sources[{index}] start"), check_int(end, f"sources[{index}] end")
+        if not 0 <= start < end <= seq:
+            raise ValueError(f"sources[{index}] = ({start}, {end}) is not a span of the {seq} tokens")
+        if (units[start:end] >= seq).any():
+            raise ValueError(f"sources[{index}] = ({start}, {end}) overlaps an earlier span")
+        units[start:end] = seq + index
+    return units

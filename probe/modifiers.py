@@ -129,10 +129,12 @@ class OriginalPositions(Modifier):
 
 @dataclass(eq=False)
 class KeyBias(Modifier):
-    """``bias[b, j]`` added to the attention logit of key j from every later query i > j."""
+    """``bias[b, j]`` added to the attention logit of key j from every later query i > j; with
+    ``units`` (LongTensor[seq], a removal unit per token) only from later queries of another unit."""
 
     changes = frozenset({SCORES})
     bias: torch.Tensor
+    units: torch.Tensor | None = None
 
     def scores(
         self, attention_mask, query: torch.Tensor, key: torch.Tensor, window: int | None
@@ -146,6 +148,9 @@ class KeyBias(Modifier):
             )
         mask = mask_rows(attention_mask, slice(None), q_len, kv_len, window, query.dtype, device=query.device)
         later = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(-1)
+        if self.units is not None:
+            units = self.units.to(query.device)
+            later &= units[:, None] != units[None, :]
         return mask + self.bias.to(device=query.device, dtype=query.dtype)[:, None, None, :] * later
 
     def memory(self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool) -> dict[str, int]:
@@ -287,7 +292,7 @@ def original_positions(model, positions: torch.Tensor) -> Iterator[None]:
 
 
 @contextmanager
-def bias_keys(model, bias: torch.Tensor) -> Iterator[None]:
+def bias_keys(model, bias: torch.Tensor, units: torch.Tensor | None = None) -> Iterator[None]:
     """Add ``bias[b, j]`` to the attention logit of key j from every later query (i > j), in every
     layer and head, inside the block.
 
@@ -295,7 +300,9 @@ def bias_keys(model, bias: torch.Tensor) -> Iterator[None]:
     cache. At ``bias = 0`` the model is unchanged; ``bias → −∞`` removes key j from every later
     query, so with ``bias.requires_grad`` the gradient ∂f/∂bias_j is a first-order estimate of
     removing token j everywhere, indirect paths included (see
-    :func:`probe.key_removal.key_removal_gradient`). Works with checkpointing, sliding windows,
+    :func:`probe.key_removal.key_removal_gradient`). ``units``: LongTensor[seq], the removal unit of
+    each token (e.g. the source it belongs to); a query then gets no bias on the keys of its own unit,
+    since removing the unit removes that query too. Works with checkpointing, sliding windows,
     captures and the other modifiers (a trace sees the biased attention).
     """
     if not torch.is_tensor(bias) or not bias.is_floating_point():
@@ -303,7 +310,11 @@ def bias_keys(model, bias: torch.Tensor) -> Iterator[None]:
     bias = bias[None] if bias.ndim == 1 else bias
     if bias.ndim != 2:
         raise ValueError(f"bias must be Tensor[batch or 1, seq], got shape {tuple(bias.shape)}")
-    with modify(model, KeyBias(bias)):
+    if units is not None and (
+        not torch.is_tensor(units) or units.dtype != torch.long or units.shape != bias.shape[-1:]
+    ):
+        raise ValueError(f"units must be a LongTensor[{bias.shape[-1]}], one removal unit per token")
+    with modify(model, KeyBias(bias, units)):
         yield
 
 

@@ -8,7 +8,7 @@ from reference import explicit_masks
 import probe
 from probe import detectors
 from probe.checks import cache_keyword
-from probe.key_removal import key_removal_gradient
+from probe.key_removal import key_removal_gradient, removal_units
 from probe.modifiers import bias_keys
 from probe.target import target_of
 
@@ -21,12 +21,15 @@ def ids():
     return torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def eager_key_removal_gradient(model, ids, targets, bias: float = 0.0) -> torch.Tensor:
+def eager_key_removal_gradient(model, ids, targets, bias: float = 0.0, spans=()) -> torch.Tensor:
     """∂ Σ log P(targets)/∂b at b_j = ``bias`` for every j, by autograd through eager attention under
-    hand-built additive masks with b_j added to every entry (i, j), i > j: Tensor[seq]."""
+    hand-built additive masks with b_j added to every entry (i, j), i > j, but those with i and j in
+    one of ``spans`` [(start, end)]: Tensor[seq]."""
     dtype = next(model.parameters()).dtype
     bias = torch.full((SEQ,), bias, dtype=dtype, requires_grad=True)
     later = torch.ones(SEQ, SEQ, dtype=dtype).tril(-1)
+    for start, end in spans:
+        later[start:end, start:end] = 0
     masks = {kind: mask + bias * later for kind, mask in explicit_masks(model, SEQ).items()}
     original = model.config._attn_implementation
     model.set_attn_implementation("eager")
@@ -48,6 +51,32 @@ def test_key_removal_gradient_equals_eager_autograd(tiny, ids, checkpoint):
     assert expected.abs().max() > 1e-3  # not trivially zero
     assert got[-1] == 0  # no later query reads the last key
     assert not any(p.requires_grad is False for p in tiny.parameters())  # parameters restored
+
+
+SPANS = [(2, 6), (9, 10), (12, 19)]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_by_source_key_removal_gradient_equals_eager_autograd(tiny, ids, checkpoint):
+    """Spans removed as units: no bias from a query on the keys of its own span."""
+    expected = eager_key_removal_gradient(tiny, ids, TARGETS, spans=SPANS)
+    got = key_removal_gradient(tiny, ids, TARGETS, checkpoint=checkpoint, sources=SPANS)
+    assert (got - expected).abs().max() <= 1e-6
+    plain = key_removal_gradient(tiny, ids, TARGETS)
+    assert (got[2:6] - plain[2:6]).abs().max() > 1e-4  # the within-span pairs mattered
+    assert (got[19:] - plain[19:]).abs().max() <= 1e-6  # after the last span nothing changes
+
+
+def test_removal_units_refuse_bad_spans(tiny, ids):
+    assert removal_units([(1, 3)], 5).tolist() == [0, 5, 5, 3, 4]
+    for spans, message in [
+        ([(3, 3)], "not a span"),
+        ([(0, SEQ + 1)], "not a span"),
+        ([(2, 6), (5, 8)], "overlaps"),
+        ([(0.5, 3)], "sources\\[0\\] start"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            key_removal_gradient(tiny, ids, TARGETS, sources=spans)
 
 
 def test_key_removal_gradient_equals_a_finite_difference_of_the_biased_model(tiny, ids):
@@ -87,6 +116,10 @@ def test_detectors_sum_their_first_order_effects_over_sources(tokenizer_sample):
     assert found["key_removal_grad"].details["source_scores"][0] == pytest.approx(
         float(gradient[first.start : first.end].sum())
     )
+    by_source = probe.detect("key_removal_grad", model, tokenizer, sample, by_source=True)
+    spans = [(source.start, source.end) for source in sample.sources]
+    units = key_removal_gradient(model, sample.input_ids, sample.target_positions, sources=spans)
+    assert torch.allclose(by_source.scores, units) and by_source.settings["by_source"]
     alone = probe.detect("grad_times_input", model, tokenizer, sample)
     assert torch.allclose(found["grad_times_input"].scores, alone.scores, atol=1e-6)
     # gradient × input by hand: e · ∂ Σ log P/∂e with a leaf embedding

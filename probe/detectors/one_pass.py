@@ -188,6 +188,7 @@ def key_removal_grad(
     depth: float = 0.0,
     steps: int = 1,
     target: Target | None = None,
+    by_source: bool = False,
 ) -> Detection:
     """The key-removal gradient (:func:`probe.key_removal.key_removal_gradient`): ∂ log P(answer)/∂b_j
     for a bias b_j on key j's attention logit from every later query, every layer and head, at b = 0.
@@ -197,12 +198,22 @@ def key_removal_grad(
     tokens (``details["source_scores"]``), its first-order removal effect. Flags the ``top_k``
     tokens. ``depth``, ``steps``: integrate the gradient along the path of every bias from 0 to
     −``depth`` instead (``steps`` passes); ``checkpoint``: see
-    :func:`~probe.key_removal.key_removal_gradient`.
+    :func:`~probe.key_removal.key_removal_gradient`. ``by_source``: each source is removed as one unit,
+    so its own tokens' queries get no bias on its keys (``sources=`` of
+    :func:`~probe.key_removal.key_removal_gradient`).
     """
+    sources = [(source.start, source.end) for source in sample.sources] if by_source else None
     gradient = key_removal_gradient(
-        model, sample.input_ids, sample.target_positions, checkpoint, depth=depth, steps=steps, target=target
+        model,
+        sample.input_ids,
+        sample.target_positions,
+        checkpoint,
+        depth=depth,
+        steps=steps,
+        target=target,
+        sources=sources,
     )
-    return _additive(gradient, sample, top_k, depth=depth, steps=steps)
+    return _additive(gradient, sample, top_k, depth=depth, steps=steps, by_source=by_source)
 
 
 @register("at2")
