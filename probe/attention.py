@@ -294,6 +294,22 @@ def apply_pattern(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return (grouped @ value.to(pattern.dtype)).view(batch, heads, n_rows, -1).transpose(1, 2)
 
 
+def row_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    rows: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    logits: Logits,
+    block_size: int,
+) -> Iterator[torch.Tensor]:
+    """A[rows] ``block_size`` rows at a time, [batch, heads, block, kv] each: the transient score
+    tensor stays one block's."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    for block in rows.split(block_size):
+        mask = mask_rows(attention_mask, block, q_len, kv_len, logits.sliding_window, query.dtype)
+        yield logits.pattern(query, key, block, mask)
+
+
 def pattern_blocks(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -302,12 +318,8 @@ def pattern_blocks(
     logits: Logits,
     block_size: int,
 ) -> torch.Tensor:
-    """A[rows] computed ``block_size`` rows at a time, bounding the transient score tensor."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    blocks = []
-    for block in rows.split(block_size):
-        mask = mask_rows(attention_mask, block, q_len, kv_len, logits.sliding_window, query.dtype)
-        blocks.append(logits.pattern(query, key, block, mask))
+    """A[rows] [batch, heads, rows, kv], computed by :func:`row_blocks`."""
+    blocks = list(row_blocks(query, key, rows, attention_mask, logits, block_size))
     return torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0]
 
 
@@ -406,14 +418,12 @@ def _attention_output(module, query, key, value, attention_mask, logits: Logits,
         )[0]
     if dropout > 0:
         raise ValueError("attention dropout is active: call model.eval() before probing attention")
-    q_len, kv_len = query.shape[2], key.shape[2]
     exact = torch.promote_types(query.dtype, torch.float32)
     key, value = key.to(exact), value.to(exact)  # upcast once: every block reads the same copy
-    outputs = []  # block by block: autograd keeps each block's pattern once, never a concatenated copy
-    for block in torch.arange(q_len, device=query.device).split(EXACT_BLOCK):
-        mask = mask_rows(attention_mask, block, q_len, kv_len, window, query.dtype)
-        outputs.append(apply_pattern(logits.pattern(query, key, block, mask), value))
-    return torch.cat(outputs, dim=1).to(query.dtype)
+    rows = torch.arange(query.shape[2], device=query.device)
+    blocks = row_blocks(query, key, rows, attention_mask, logits, EXACT_BLOCK)
+    # block by block: autograd keeps each block's pattern once, never a concatenated copy
+    return torch.cat([apply_pattern(pattern, value) for pattern in blocks], dim=1).to(query.dtype)
 
 
 def _in_original_positions(mask_function: Callable, table: torch.Tensor) -> Callable:

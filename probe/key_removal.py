@@ -4,11 +4,13 @@ context token everywhere (every later query of every layer and head) does to the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
 from probe.checks import check_input_ids, check_int, check_positions, hf_model
-from probe.modifiers import bias_keys
+from probe.faithfulness import compaction_supported
+from probe.modifiers import bias_keys, mask_keys, original_positions
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters
 from probe.target import Target, target_of
@@ -23,6 +25,7 @@ def key_removal_gradient(
     steps: int = 1,
     target: Target | None = None,
     sources: Sequence[tuple[int, int]] | None = None,
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """∂ log P(answer) / ∂b_j at b = 0 (``target``: of another number about the answer, see
     :mod:`probe.target`), where b_j is added to the attention logit of key j from every
@@ -46,6 +49,12 @@ def key_removal_gradient(
     ``sources``: token spans ``(start, end)`` removed as units. A query inside a key's own span then
     gets no bias on it: removing the span removes that query too, so its reading of the span is no
     path by which the removal reaches the answer. Tokens outside every span stay units of their own.
+
+    ``kept``: BoolTensor[seq]; the other tokens are removed first and the gradient is taken in what is
+    left: the pass runs only the kept tokens at their original positions
+    (:func:`probe.modifiers.original_positions`, exact as key masking; models without
+    ``position_ids`` key-mask instead). Removed tokens score 0. The answer tokens and the rows that
+    predict them must be kept.
     """
     depth = float(depth)
     if not depth >= 0:
@@ -58,20 +67,52 @@ def key_removal_gradient(
     inner = hf_model(model)
     seq = ids.shape[1]
     units = None if sources is None else removal_units(sources, seq)
-    bias = torch.zeros(1, seq, device=ids.device, requires_grad=True)
-    total = torch.zeros(seq, device=ids.device)
+    positions, removal, forward = torch.arange(seq), nullcontext(), {}
+    if kept is not None:
+        kept = _check_kept(kept, seq, targets.cpu())
+        if compaction_supported(inner):
+            positions = kept.nonzero()[:, 0]
+            table = positions[None].to(ids.device)
+            removal = original_positions(inner, table)
+            forward = {"position_ids": table, "attention_mask": torch.ones_like(table)}
+            ids, targets = ids[:, table[0]], torch.searchsorted(table[0], targets)
+            units = None if units is None else units[positions]
+        else:
+            removal = mask_keys(inner, ~kept[None].to(ids.device))
+    run = ids.shape[1]
+    bias = torch.zeros(1, run, device=ids.device, requires_grad=True)
+    total = torch.zeros(run, device=ids.device)
     with (
-        bias_keys(inner, bias, units),
-        guarded(model, seq, "embedding_grads", checkpoint, len(targets)),
+        removal,
+        bias_keys(inner, bias, None if units is None else units.to(ids.device)),
+        guarded(model, run, "embedding_grads", checkpoint, len(targets)),
         frozen_parameters(inner),
     ):
         for point in range(steps):
             with torch.no_grad():
                 bias.fill_(-(point + 0.5) / steps * depth)
             with torch.enable_grad():
-                (grad,) = torch.autograd.grad(target_of(inner, ids, targets, target), bias)
+                (grad,) = torch.autograd.grad(target_of(inner, ids, targets, target, **forward), bias)
             total += grad[0].detach().float()
-    return (total / steps * (depth or 1.0)).cpu()
+    scores = torch.zeros(seq)
+    scores[positions] = (total / steps * (depth or 1.0)).cpu()
+    return scores
+
+
+def _check_kept(kept, seq: int, targets: torch.Tensor) -> torch.Tensor:
+    """``kept`` as a BoolTensor[seq] that keeps the answer tokens and the rows predicting them."""
+    kept = torch.as_tensor(kept).cpu()
+    if kept.dtype != torch.bool or kept.shape != (seq,):
+        raise ValueError(
+            f"kept must be a BoolTensor[{seq}], one flag per token, got {kept.dtype} {tuple(kept.shape)}"
+        )
+    lost = torch.cat([targets - 1, targets]).unique()
+    lost = lost[~kept[lost]]
+    if lost.numel():
+        raise ValueError(
+            f"kept removes positions {lost.tolist()}: keep the answer tokens and the rows that predict them"
+        )
+    return kept
 
 
 def removal_units(sources: Sequence[tuple[int, int]], seq: int) -> torch.Tensor:

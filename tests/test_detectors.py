@@ -86,8 +86,8 @@ def test_detectors_register_in_a_fixed_order():
     imports its modules in that order."""
     assert detectors.names() == [
         "attention", "fr", "embedding_grad", "information_flow", "grad_times_input", "key_removal_grad",
-        "at2", "attn_lrp", "integrated_gradients", "lsd", "random", "recency", "lexical_overlap",
-        "leave_one_out", "context_cite",
+        "key_removal_banzhaf", "at2", "attn_lrp", "integrated_gradients", "lsd", "random", "recency",
+        "lexical_overlap", "leave_one_out", "context_cite",
     ]  # fmt: skip
 
 

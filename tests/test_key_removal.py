@@ -6,10 +6,10 @@ import torch
 from reference import explicit_masks
 
 import probe
-from probe import detectors
+from probe import detectors, faithfulness, key_removal
 from probe.checks import cache_keyword
 from probe.key_removal import key_removal_gradient, removal_units
-from probe.modifiers import bias_keys
+from probe.modifiers import bias_keys, mask_keys
 from probe.target import target_of
 
 SEQ = 24
@@ -21,16 +21,16 @@ def ids():
     return torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def eager_key_removal_gradient(model, ids, targets, bias: float = 0.0, spans=()) -> torch.Tensor:
+def eager_key_removal_gradient(model, ids, targets, bias: float = 0.0, spans=(), hidden=()) -> torch.Tensor:
     """∂ Σ log P(targets)/∂b at b_j = ``bias`` for every j, by autograd through eager attention under
     hand-built additive masks with b_j added to every entry (i, j), i > j, but those with i and j in
-    one of ``spans`` [(start, end)]: Tensor[seq]."""
+    one of ``spans`` [(start, end)], and the keys ``hidden`` masked: Tensor[seq]."""
     dtype = next(model.parameters()).dtype
     bias = torch.full((SEQ,), bias, dtype=dtype, requires_grad=True)
     later = torch.ones(SEQ, SEQ, dtype=dtype).tril(-1)
     for start, end in spans:
         later[start:end, start:end] = 0
-    masks = {kind: mask + bias * later for kind, mask in explicit_masks(model, SEQ).items()}
+    masks = {kind: mask + bias * later for kind, mask in explicit_masks(model, SEQ, hidden).items()}
     original = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -65,6 +65,31 @@ def test_by_source_key_removal_gradient_equals_eager_autograd(tiny, ids, checkpo
     plain = key_removal_gradient(tiny, ids, TARGETS)
     assert (got[2:6] - plain[2:6]).abs().max() > 1e-4  # the within-span pairs mattered
     assert (got[19:] - plain[19:]).abs().max() <= 1e-6  # after the last span nothing changes
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_key_removal_gradient_after_removing_tokens_equals_eager_autograd(tiny, ids, compact, monkeypatch):
+    """``kept=``: the gradient in what is left once spans 0 and 2 are gone, run compacted at original
+    positions (the 7-token gap is wider than tiny Gemma 3's window of 6) or key-masked, against
+    autograd through eager attention with those keys hidden by hand-built masks."""
+    if not compact:
+        monkeypatch.setattr(key_removal, "compaction_supported", lambda model: False)
+    kept = torch.ones(SEQ, dtype=torch.bool)
+    kept[2:6] = kept[12:19] = False
+    hidden = (~kept).nonzero()[:, 0].tolist()
+    expected = eager_key_removal_gradient(tiny, ids, TARGETS, spans=SPANS, hidden=hidden)
+    got = key_removal_gradient(tiny, ids, TARGETS, sources=SPANS, kept=kept)
+    assert (got - expected).abs().max() <= 1e-6
+    assert torch.equal(got[~kept], torch.zeros(len(hidden)))
+    whole = key_removal_gradient(tiny, ids, TARGETS, sources=SPANS)
+    assert (got[kept] - whole[kept]).abs().max() > 1e-4  # the removal changed the others' gradients
+    for bad, message in [
+        (kept[:-1], "BoolTensor\\[24\\]"),
+        (kept.int(), "BoolTensor"),
+        (~kept, "keep the answer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            key_removal_gradient(tiny, ids, TARGETS, kept=bad)
 
 
 def test_removal_units_refuse_bad_spans(tiny, ids):
@@ -129,6 +154,38 @@ def test_detectors_sum_their_first_order_effects_over_sources(tokenizer_sample):
     logits.log_softmax(-1).gather(-1, sample.input_ids[targets, None]).sum().backward()
     by_hand = (embeds * embeds.grad).sum(-1)[0]
     assert torch.allclose(alone.scores, by_hand, atol=1e-5)
+
+
+def test_key_removal_banzhaf_averages_the_gradient_over_complementary_half_contexts(tokenizer_sample):
+    """By hand: the by-source gradient at the full context and under key masks that hide each half of
+    ``pairs`` seeded random source halves (and its complement); a token's score is its mean over the
+    contexts that keep it, so every source is averaged over ``pairs + 1`` of them."""
+    tokenizer, sample = tokenizer_sample
+    model = probe.tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=1024)
+    found = probe.detect("key_removal_banzhaf", model, tokenizer, sample, pairs=2, seed=5)
+    spans = [(source.start, source.end) for source in sample.sources]
+    ids, targets = sample.input_ids, sample.target_positions
+    total = key_removal_gradient(model, ids, targets, sources=spans)
+    count = torch.ones(len(ids))
+    for half in faithfulness.random_masks(len(spans), 2, seed=5):
+        for side in (half, ~half):
+            hidden = torch.zeros(1, len(ids), dtype=torch.bool)
+            hidden[0, faithfulness.removed_positions(sample.sources, ~side)] = True
+            with mask_keys(model, hidden):
+                total += key_removal_gradient(model, ids, targets, sources=spans)
+            count += ~hidden[0]
+    in_sources = torch.zeros(len(ids), dtype=torch.bool)
+    for source in sample.sources:
+        in_sources[source.start : source.end] = True
+    assert set(count[in_sources].tolist()) == {3.0} and set(count[~in_sources].tolist()) == {5.0}
+    assert torch.allclose(found.scores, total / count, atol=1e-6)
+    first = sample.sources[0]
+    assert found.details["source_scores"][0] == pytest.approx(
+        float(found.scores[first.start : first.end].sum())
+    )
+    assert found.settings == {"top_k": 30, "pairs": 2, "seed": 5}
+    with pytest.raises(ValueError, match="pairs"):
+        probe.detect("key_removal_banzhaf", model, tokenizer, sample, pairs=0)
 
 
 @pytest.fixture(scope="module")

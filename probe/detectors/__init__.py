@@ -41,6 +41,7 @@ from probe.detectors.one_pass import (
     grad_times_input,
     information_flow,
     integrated_gradients,
+    key_removal_banzhaf,
     key_removal_grad,
 )
 from probe.detectors.baselines import lexical_overlap, long_short_difference, random_scores, recency
@@ -67,6 +68,7 @@ __all__ = [
     "grad_times_input",
     "information_flow",
     "integrated_gradients",
+    "key_removal_banzhaf",
     "key_removal_grad",
     "leave_one_out",
     "lexical_overlap",

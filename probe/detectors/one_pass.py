@@ -3,7 +3,8 @@
 ``attention``, ``fr``, ``embedding_grad``, ``information_flow``, ``grad_times_input`` and ``at2``
 can also be read off one shared pass (:data:`probe.detectors.run.SHARED_PASS`,
 :func:`~probe.detectors.run.detect_many`): their ``_*_from`` helpers here turn that pass into the
-detection. ``key_removal_grad``, ``attn_lrp`` and ``integrated_gradients`` run passes of their own.
+detection. ``key_removal_grad``, ``key_removal_banzhaf``, ``attn_lrp`` and ``integrated_gradients``
+run passes of their own.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from probe.attribution import (
     embedding_grad_norms,
 )
 from probe.attribution import information_flow as information_flow_per_layer
-from probe.checks import check_layers, hf_model, input_device
+from probe.checks import check_int, check_layers, hf_model, input_device
 from probe.detectors.registry import Detection, register, top_k_mask
+from probe.faithfulness import random_masks, removed_positions
 from probe.key_removal import key_removal_gradient
 from probe.lrp import relevance
 from probe.objectives import critical_tokens
@@ -214,6 +216,55 @@ def key_removal_grad(
         sources=sources,
     )
     return _additive(gradient, sample, top_k, depth=depth, steps=steps, by_source=by_source)
+
+
+@register("key_removal_banzhaf")
+def key_removal_banzhaf(
+    model,
+    tokenizer,
+    sample: Sample,
+    pairs: int = 2,
+    seed: int = 1,
+    top_k: int = 30,
+    checkpoint: bool | str = "auto",
+    target: Target | None = None,
+) -> Detection:
+    """The by-source key-removal gradient (``key_removal_grad(by_source=True)``) averaged over the full
+    context and ``2 * pairs`` random half contexts: a first-order estimate of each source's Banzhaf
+    value (Banzhaf 1965; for data attribution Wang & Jia, AISTATS 2023), the mean effect of removing it
+    from a context that holds each other source with probability 1/2.
+
+    The Banzhaf values are the coefficients of the least-squares linear model of the answer's
+    log-probability over uniform half masks (Hammer & Holzman 1992), so they are what LDS
+    (:func:`probe.faithfulness.lds`, such masks) rewards; the gradient at the full context alone
+    estimates leave-one-out instead. The random contexts come in complementary pairs (``seed``; keep
+    it apart from the seed of an evaluation's masks), so every source is kept in exactly ``pairs`` of
+    them and averaged over ``pairs + 1`` gradients; each runs compacted, only its kept tokens
+    (:func:`~probe.key_removal.key_removal_gradient` ``kept=``). ``1 + 2 * pairs`` forward+backward
+    passes, the random ones over about half the tokens. A source scores the sum over its tokens.
+    """
+    pairs = check_int(pairs, "pairs", minimum=1)
+    seq, spans = len(sample.input_ids), [(source.start, source.end) for source in sample.sources]
+    halves = random_masks(len(spans), pairs, seed=seed)
+    contexts = [None]
+    for half in halves:
+        for side in (half, ~half):
+            kept = torch.ones(seq, dtype=torch.bool)
+            kept[removed_positions(sample.sources, ~side)] = False
+            contexts.append(kept)
+    total, count = torch.zeros(seq), torch.zeros(seq)
+    for kept in contexts:
+        total += key_removal_gradient(
+            model,
+            sample.input_ids,
+            sample.target_positions,
+            checkpoint,
+            target=target,
+            sources=spans,
+            kept=kept,
+        )
+        count += 1 if kept is None else kept.float()
+    return _additive(total / count, sample, top_k, pairs=pairs, seed=seed)
 
 
 @register("at2")

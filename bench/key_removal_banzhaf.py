@@ -1,0 +1,118 @@
+"""Does averaging the key-removal gradient over random half contexts bring it to leave-one-out's LDS?
+
+LDS (:func:`probe.faithfulness.lds`) asks how well a source scoring predicts the answer's
+log-probability over random masks that keep each source with probability 1/2. The best additive
+predictor of such masks is the Banzhaf value of each source; ``key_removal_grad`` estimates its
+removal from the *full* context (leave-one-out's question), ``key_removal_banzhaf`` averages the
+by-source gradient over the full context and ``2 · pairs`` random complementary half contexts
+(:func:`probe.detectors.key_removal_banzhaf`). Per sample, each scorer's seconds (its own passes,
+one thread) and its LDS over the same 32 seeded masks as the main job:
+
+- ``information_flow``: the cost yardstick of the goal (≤ 1.5× its seconds);
+- ``key_removal_grad``: the default (token units), and ``key_removal_grad_by_source``;
+- ``key_removal_banzhaf_p{P}``: for each ``--pairs`` P;
+- ``leave_one_out``: exhaustive, with ``--loo`` (one pass per source), else read from the
+  ``--reference`` CSV (a ``detector_compare`` faithfulness CSV of the same samples and masks).
+
+The defaults are the main job's samples (SmolLM2-135M, multihop-1 and multihop-2 at 1K tokens, seeds
+0–11, 32 masks of seed 0), whose committed faithfulness CSV holds leave-one-out's LDS.
+
+    python bench/key_removal_banzhaf.py --csv bench/results/key_removal_banzhaf.csv
+    python bench/key_removal_banzhaf.py --model gemma3-270m --seeds 0 1 2 3 4 5 --loo \
+        --csv bench/results/key_removal_banzhaf_gemma3.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from harness import add_device_arguments, load
+
+from analyses.stats import bootstrap
+from probe import detectors, faithfulness, tasks
+from probe.results import atomic_write
+
+REFERENCE = Path(__file__).resolve().parents[1] / "figures" / "detector_smollm2-135m-1024_faithfulness.csv"
+
+
+def scorers(pairs: list[int], loo: bool) -> dict[str, tuple[str, dict]]:
+    """Scorer name → (detector, options)."""
+    chosen = {
+        "information_flow": ("information_flow", {}),
+        "key_removal_grad": ("key_removal_grad", {}),
+        "key_removal_grad_by_source": ("key_removal_grad", {"by_source": True}),
+    }
+    chosen |= {f"key_removal_banzhaf_p{p}": ("key_removal_banzhaf", {"pairs": p}) for p in pairs}
+    if loo:
+        chosen["leave_one_out"] = ("leave_one_out", {})
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"])
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(12)))
+    parser.add_argument("--pairs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--loo", action="store_true", help="run exhaustive leave-one-out here")
+    parser.add_argument(
+        "--reference", type=Path, default=REFERENCE, help="leave-one-out's LDS, without --loo"
+    )
+    parser.add_argument("--csv", type=Path, default=None)
+    add_device_arguments(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model, tokenizer = load(args.model, args.device, args.dtype)
+    rows = []
+    for seed in args.seeds:
+        for task in args.tasks:
+            sample = tasks.make(task, tokenizer, args.length, seed=seed)
+            scores, seconds = {}, {}
+            for name, (detector, options) in scorers(args.pairs, args.loo).items():
+                start = time.perf_counter()
+                found = detectors.detect(detector, model, tokenizer, sample, **options)
+                seconds[name] = time.perf_counter() - start
+                scores[name] = found.source_scores(sample)
+            frame = faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=32)
+            frame = frame[["scorer", "lds"]].assign(
+                seconds=frame.scorer.map(seconds), model=args.model, length=args.length, task=task, seed=seed
+            )
+            rows.append(frame)
+            print(frame.to_string(index=False), flush=True)
+    table = pd.concat(rows, ignore_index=True)
+    if not args.loo:
+        reference = pd.read_csv(args.reference)
+        reference = reference[(reference.scorer == "leave_one_out") & (reference.length == args.length)]
+        keys = ["model", "length", "task", "seed"]
+        reference = reference[[*keys, "lds", "seconds"]].assign(scorer="leave_one_out")
+        table = pd.concat([table, reference.merge(table[keys].drop_duplicates(), on=keys)], ignore_index=True)
+    if args.csv:
+        atomic_write(args.csv, lambda tmp: table.to_csv(tmp, index=False))
+    summarize(table)
+    return table
+
+
+def summarize(table: pd.DataFrame) -> None:
+    """Mean LDS with 95 % bootstrap intervals, paired differences from leave-one-out and from the
+    default gradient, and seconds relative to information flow."""
+    lds = table.pivot_table(index=["task", "seed"], columns="scorer", values="lds")
+    seconds = table.pivot_table(index=["task", "seed"], columns="scorer", values="seconds")
+    print(f"{len(lds)} samples")
+    for name in lds.columns:
+        cost = (seconds[name] / seconds["information_flow"]).median()
+        gain = bootstrap(lds[name] - lds["key_removal_grad"])
+        line = f"{name}: LDS {bootstrap(lds[name])}; − key_removal_grad {gain}"
+        if "leave_one_out" in lds:
+            line += f"; − leave_one_out {bootstrap(lds[name] - lds['leave_one_out'])}"
+        print(f"{line}; {cost:.1f}× information_flow's seconds")
+
+
+if __name__ == "__main__":
+    main()
