@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     parts = out / f".detector_{tag}_parts"
     settings = {key: value for key, value in vars(args).items() if key not in ("resume", "out", "device")}
+    settings["detectors"] = names  # the default set may change between runs: record what ran
     found = sweep(
         jobs, run, parts, args.resume, desc=f"detector_compare {args.model} (batches)", settings=settings
     )

@@ -148,3 +148,25 @@ def test_other_settings_write_to_a_study_folder_of_their_own():
     study = detector_compare.study_folder(detector_compare.parse_args(["--samples", "3"]))
     other = detector_compare.study_folder(detector_compare.parse_args(["--samples", "3", "--ks", "1", "4"]))
     assert study.parent == other.parent == Path("figures/studies") and study != other
+
+
+def test_a_resume_after_the_default_detectors_changed_is_refused(tiny_model_folder, tmp_path, monkeypatch):
+    """The parts record the detectors that ran, not "the default": a resume under another default set
+    would add rows of other detectors to some samples only."""
+    argv = ["--model", str(tiny_model_folder), "--length", "192", "--samples", "1", "--masks", "4"]
+    argv += ["--ks", "1", "--tasks", "multihop-1", "multihop-2", "--out", str(tmp_path)]
+    compare = detector_compare.compare_samples
+
+    def killed_in_the_second_task(model, tokenizer, samples, *args, **kwargs):
+        if samples[0].task == "multihop-2":
+            raise KeyboardInterrupt
+        return compare(model, tokenizer, samples, *args, **kwargs)
+
+    monkeypatch.setattr(comparison, "DEFAULT_DETECTORS", ["attention", "recency"])
+    monkeypatch.setattr(detector_compare, "compare_samples", killed_in_the_second_task)
+    with pytest.raises(KeyboardInterrupt):
+        detector_compare.main(argv)
+    monkeypatch.setattr(detector_compare, "compare_samples", compare)
+    monkeypatch.setattr(comparison, "DEFAULT_DETECTORS", ["attention", "recency", "lexical_overlap"])
+    with pytest.raises(SystemExit, match=r"detectors: \['attention', 'recency'\] then"):
+        detector_compare.main([*argv, "--resume"])

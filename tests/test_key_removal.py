@@ -183,7 +183,7 @@ def test_key_removal_banzhaf_averages_the_gradient_over_complementary_half_conte
     assert found.details["source_scores"][0] == pytest.approx(
         float(found.scores[first.start : first.end].sum())
     )
-    assert found.settings == {"top_k": 30, "pairs": 2, "seed": 5}
+    assert found.settings == {"top_k": 30, "pairs": 2, "seed": 5} and found.details["passes"] == 5
     with pytest.raises(ValueError, match="pairs"):
         probe.detect("key_removal_banzhaf", model, tokenizer, sample, pairs=0)
 

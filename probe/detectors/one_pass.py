@@ -144,17 +144,18 @@ def _information_flow_from(
     )
 
 
-def _additive(scores: torch.Tensor, sample: Sample, top_k: int, **settings) -> Detection:
+def _additive(scores: torch.Tensor, sample: Sample, top_k: int, passes: int = 1, **settings) -> Detection:
     """A detection from per-token first-order effects that add up over a source: each source's score
     is the sum over its tokens (``details["source_scores"]``); flags the ``top_k`` context tokens.
-    ``settings``: the detector's other options, recorded."""
+    ``passes``: the forward+backward passes it took (``details["passes"]``); ``settings``: the
+    detector's other options, recorded."""
     scores = scores.detach().float().cpu()
     source_scores = torch.stack([scores[source.start : source.end].sum() for source in sample.sources])
     return Detection(
         scores=scores,
         flagged=top_k_mask(scores, top_k, sample.prompt_length),
         settings={"top_k": top_k, **settings},
-        details={"source_scores": source_scores},
+        details={"source_scores": source_scores, "passes": passes},
     )
 
 
@@ -215,7 +216,7 @@ def key_removal_grad(
         target=target,
         sources=sources,
     )
-    return _additive(gradient, sample, top_k, depth=depth, steps=steps, by_source=by_source)
+    return _additive(gradient, sample, top_k, passes=steps, depth=depth, steps=steps, by_source=by_source)
 
 
 @register("key_removal_banzhaf")
@@ -264,7 +265,7 @@ def key_removal_banzhaf(
             kept=kept,
         )
         count += 1 if kept is None else kept.float()
-    return _additive(total / count, sample, top_k, pairs=pairs, seed=seed)
+    return _additive(total / count, sample, top_k, passes=len(contexts), pairs=pairs, seed=seed)
 
 
 @register("at2")
