@@ -34,11 +34,12 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
 
 The default judges the one-pass detectors (``attention``, ``fr``, ``information_flow``,
 ``embedding_grad``, ``grad_times_input``, ``key_removal_grad``, ``attn_lrp``, ``at2`` where head
-weights fit the model), LongPPL's ``lsd``, two model-free baselines and exact ``leave_one_out`` on
-24 samples (12 per task). Every row says what the detector cost (``seconds``, ``passes``).
-Faithfulness costs one masked pass per distinct mask (compacted: only the kept tokens run), up to
-~120 a sample; leave-one-out one per source. Other settings than the defaults write to a folder
-of their own under ``figures/studies``, so that ``figures/`` holds exactly what the default writes.
+weights fit the model), ``key_removal_banzhaf`` (five gradient passes), LongPPL's ``lsd``, two
+model-free baselines and exact ``leave_one_out`` on 24 samples (12 per task). Every row says what
+the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass per distinct mask
+(compacted: only the kept tokens run), up to ~120 a sample; leave-one-out one per source. Other
+settings than the defaults write to a folder of their own under ``figures/studies``, so that
+``figures/`` holds exactly what the default writes.
 
     python -m analyses.detector_compare                               # the main job, SmolLM2, ~1K tokens
     python -m analyses.detector_compare --samples 4 --detectors attention information_flow
@@ -312,7 +313,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     lsd_k = args.length // 4 if args.lsd_k is None else args.lsd_k
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
-    options["context_cite"] = {"seed": args.seed + 1}  # its masks must differ from the LDS masks (seed)
+    # their random masks must differ from the LDS masks (seed)
+    options["context_cite"] = options["key_removal_banzhaf"] = {"seed": args.seed + 1}
     options["leave_one_out"] = {"top_m": args.loo_top_m}
     options |= {name: {"top_k": args.top_k} for name in names if "top_k" in detectors.options(name)}
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]

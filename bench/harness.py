@@ -125,6 +125,19 @@ def bench_parser(doc: str, methods: tuple[str, ...], lengths: list[int]) -> argp
     return parser
 
 
+def samples_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a one-process benchmark over samples; the defaults are the main job's samples
+    (SmolLM2-135M, multihop-1 and multihop-2 at 1K tokens, seeds 0–11)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"])
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(12)))
+    parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
+    add_device_arguments(parser)
+    return parser
+
+
 def run_bench(
     args: argparse.Namespace,
     script: str,

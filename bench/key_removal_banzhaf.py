@@ -24,13 +24,12 @@ The defaults are the main job's samples (SmolLM2-135M, multihop-1 and multihop-2
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import pandas as pd
 import torch
-from harness import add_device_arguments, load
+from harness import load, samples_parser
 
 from analyses.stats import bootstrap
 from probe import detectors, faithfulness, tasks
@@ -53,20 +52,12 @@ def scorers(pairs: list[int], loo: bool) -> dict[str, tuple[str, dict]]:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"])
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(12)))
+    parser = samples_parser(__doc__)
     parser.add_argument("--pairs", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--loo", action="store_true", help="run exhaustive leave-one-out here")
     parser.add_argument(
         "--reference", type=Path, default=REFERENCE, help="leave-one-out's LDS, without --loo"
     )
-    parser.add_argument("--csv", type=Path, default=None)
-    add_device_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, tokenizer = load(args.model, args.device, args.dtype)

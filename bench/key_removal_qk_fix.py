@@ -29,14 +29,12 @@ column; ``--model``, ``--tasks``, ``--length`` and ``--seeds`` choose held-out o
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 import torch
-from harness import add_device_arguments, load
+from harness import load, samples_parser
 
 from analyses.stats import bootstrap
 from probe import faithfulness, tasks
@@ -112,15 +110,7 @@ def weighted_gradient(model, sample: tasks.Sample, weighted: bool, by_source: bo
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"])
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(12)))
-    parser.add_argument("--csv", type=Path, default=None)
-    add_device_arguments(parser)
+    parser = samples_parser(__doc__)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, tokenizer = load(args.model, args.device, args.dtype)
