@@ -20,8 +20,9 @@ from analyses import stats
 from probe import answer, detectors, faithfulness, metrics, tasks
 from probe.at2 import HeadWeights
 
-ONE_PASS = (*detectors.SHARED_PASS, "key_removal_grad", "attn_lrp")  # one forward+backward a sample
-DEFAULT_DETECTORS = [*ONE_PASS, "key_removal_banzhaf", "lsd", "lexical_overlap", "recency", "leave_one_out"]
+# one forward+backward a sample
+ONE_PASS = (*detectors.SHARED_PASS, "key_removal_grad", "key_removal_banzhaf", "attn_lrp")
+DEFAULT_DETECTORS = [*ONE_PASS, "lsd", "lexical_overlap", "recency", "leave_one_out"]
 REFERENCES = ("ground_truth", "random_sources")
 BASELINES = ("attention", "leave_one_out")  # every scorer's difference from these, with intervals
 INTERVAL_METRICS = ("aopc_comprehensiveness", "aopc_sufficiency", "lds")

@@ -33,8 +33,8 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
   ``leave_one_out`` (the exact ablation), with intervals.
 
 The default judges the one-pass detectors (``attention``, ``fr``, ``information_flow``,
-``embedding_grad``, ``grad_times_input``, ``key_removal_grad``, ``attn_lrp``, ``at2`` where head
-weights fit the model), ``key_removal_banzhaf`` (five gradient passes), LongPPL's ``lsd``, two
+``embedding_grad``, ``grad_times_input``, ``key_removal_grad``, ``key_removal_banzhaf``,
+``attn_lrp``, ``at2`` where head weights fit the model), LongPPL's ``lsd``, two
 model-free baselines and exact ``leave_one_out`` on 24 samples (12 per task). Every row says what
 the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass per distinct mask
 (compacted: only the kept tokens run), up to ~120 a sample; leave-one-out one per source. Other

@@ -28,6 +28,10 @@ Spearman correlation of the source scores:
 - ``loo_pruned``: exact on the 8 sources that ``key_removal_grad`` ranks highest (its cost included);
 - ``loo_hierarchical``: blocks of 4 sources, the 3 blocks with the largest drops refined.
 
+Exhaustive leave-one-out's source scores are kept in ``--exhaustive-dir`` (default: a temporary
+folder of the invocation), so that the other ``loo_*`` rows compare with them without running it
+again; a row without them there runs it first, untimed.
+
     python bench/ablation_speed.py                        # SmolLM2-135M at 1K tokens
     python bench/ablation_speed.py --model gemma3-270m --lengths 1024 4096 --csv out.csv
 """
@@ -36,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import tempfile
 import time
+from pathlib import Path
 
 import pandas as pd
 from harness import bench_parser, load, measure, report, run_bench
@@ -118,7 +124,14 @@ def exhaustive_scores(model, tokenizer, sample, found, method: str):
 
 
 def _run_child(
-    method: str, length: int, model_name: str, threads: int, loo_samples: int, device: str, dtype: str | None
+    method: str,
+    length: int,
+    model_name: str,
+    threads: int,
+    loo_samples: int,
+    device: str,
+    dtype: str | None,
+    exhaustive_dir: Path,
 ) -> dict:
     """Measure one method in this (fresh) process: time, memory, passes and a checksum or agreement."""
     import torch
@@ -164,10 +177,13 @@ def _run_child(
         start = time.perf_counter()
         found = probe.detect("leave_one_out", model, tokenizer, one, **LOO_METHODS[method])
         seconds = time.perf_counter() - start
-        exhaustive = (
-            found if method == "loo_exhaustive" else probe.detect("leave_one_out", model, tokenizer, one)
-        )
-        ours, exact = found.details["source_scores"], exhaustive.details["source_scores"]
+        kept = exhaustive_dir / f"{model_name}_{length}_{dtype}_{one.seed}.pt"
+        if method == "loo_exhaustive" or not kept.exists():
+            exhaustive = (
+                found if method == "loo_exhaustive" else probe.detect("leave_one_out", model, tokenizer, one)
+            )
+            torch.save(exhaustive.details["source_scores"], kept)
+        ours, exact = found.details["source_scores"], torch.load(kept)
         rows.append(
             {
                 "seconds": seconds,
@@ -187,7 +203,16 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--models", nargs="+", default=None, help="several models in one invocation")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--loo-samples", type=int, default=4, help="samples for the loo_* rows")
+    parser.add_argument(
+        "--exhaustive-dir", type=Path, default=None, help="keep exhaustive leave-one-out's scores here"
+    )
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        return _main(args, args.exhaustive_dir or Path(scratch))
+
+
+def _main(args: argparse.Namespace, exhaustive_dir: Path) -> pd.DataFrame:
+    exhaustive_dir.mkdir(parents=True, exist_ok=True)
     child = functools.partial(
         _run_child,
         model_name=args.model,
@@ -195,8 +220,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         loo_samples=args.loo_samples,
         device=args.device,
         dtype=args.dtype,
+        exhaustive_dir=exhaustive_dir,
     )
     forwarded = ["--threads", str(args.threads), "--loo-samples", str(args.loo_samples)]
+    forwarded += ["--exhaustive-dir", str(exhaustive_dir)]
     if args.child:
         return run_bench(args, __file__, forwarded, child, "")
     tables = []

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import numpy as np
@@ -62,6 +62,36 @@ def source_scores(
         raise ValueError("the sample has no sources to score")
     scores = token_scores.detach().float().cpu()
     return torch.stack([getattr(scores[source.start : source.end], reduce)() for source in sources])
+
+
+def check_before_answer(hidden: torch.Tensor, first_row: int) -> None:
+    """Refuse removals that reach the answer: ``hidden`` (BoolTensor[masks, seq], True = removed) must
+    keep every token from ``first_row``, the row that predicts the first answer token, on."""
+    reached = hidden[:, first_row:].any(0).nonzero()[:, 0] + first_row
+    if reached.numel():
+        raise ValueError(
+            f"positions {reached.tolist()[:8]} are removed but lie at or after the first answer row "
+            f"({first_row}): remove only tokens before the answer (sources must lie before it)"
+        )
+
+
+@contextmanager
+def compacted(model, positions: torch.Tensor, past_length: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """A forward over only the tokens at ``positions`` (LongTensor[batch, n], original positions,
+    increasing), after a reused cache of the first ``past_length`` tokens: inside the block every
+    mask is measured in original positions (:func:`probe.modifiers.original_positions`), and it
+    yields the forward's ``position_ids`` and ``attention_mask`` (ones: transformers would read the
+    gaps as packed sequences). ``model(input_ids=ids[:, positions[0]], **inputs)`` then equals a
+    forward over the whole sequence with the other tokens key-masked."""
+    batch, device = positions.shape[0], positions.device
+    prefix = torch.arange(past_length, device=device).expand(batch, -1)
+    with original_positions(model, torch.cat([prefix, positions], dim=1)):
+        yield {
+            "position_ids": positions,
+            "attention_mask": torch.ones(
+                batch, past_length + positions.shape[1], dtype=torch.long, device=device
+            ),
+        }
 
 
 def removed_positions(sources: Sequence[Source], removed: torch.Tensor) -> torch.Tensor:
@@ -117,8 +147,7 @@ def answer_scores(
     hidden = torch.zeros(len(removed), ids.shape[1], dtype=torch.bool)
     for index, mask in enumerate(removed):
         hidden[index, removed_positions(sources, mask)] = True
-    if hidden[:, int(rows[0]) :].any():
-        raise ValueError("a removed source reaches the answer rows: sources must lie before the answer")
+    check_before_answer(hidden, int(rows[0]))
     starts = [int(h.nonzero()[0]) if h.any() else int(rows[0]) for h in hidden]
     starts = [min(start, int(rows[0])) if reuse_prefix else 0 for start in starts]
     order = sorted(range(len(removed)), key=starts.__getitem__)
@@ -163,14 +192,12 @@ def _compacted_pass(inner, ids, hidden, first: int, past, rows: torch.Tensor) ->
         filler = (~keep).nonzero()[: length - int(keep.sum()), 0]
         tokens.append(torch.cat([keep.nonzero()[:, 0], filler]).sort().values + first)
     tokens = torch.stack(tokens).to(ids.device)  # [batch, length] original positions
-    prefix = torch.arange(first, device=ids.device).expand(len(hidden), -1)
     filled = hidden.to(ids.device).gather(1, tokens)
     key_mask = mask_keys(inner, hidden) if bool(filled.any()) else nullcontext()
-    with original_positions(inner, torch.cat([prefix, tokens], dim=1)), key_mask:
+    with compacted(inner, tokens, first) as inputs, key_mask:
         return inner(
             input_ids=ids[0, tokens],
-            position_ids=tokens,
-            attention_mask=torch.ones(len(hidden), first + length, dtype=torch.long, device=ids.device),
+            **inputs,
             **{cache_keyword(inner): past},
             use_cache=first > 0,
             logits_to_keep=rows - ids.shape[1] + length,  # the answer rows sit at the end

@@ -3,14 +3,15 @@ context token everywhere (every later query of every layer and head) does to the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 
 from probe.checks import check_input_ids, check_int, check_positions, hf_model
-from probe.faithfulness import compaction_supported
-from probe.modifiers import bias_keys, mask_keys, original_positions
+from probe.faithfulness import check_before_answer, compacted, compaction_supported
+from probe.modifiers import bias_keys, mask_keys
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters
 from probe.target import Target, target_of
@@ -26,6 +27,7 @@ def key_removal_gradient(
     target: Target | None = None,
     sources: Sequence[tuple[int, int]] | None = None,
     kept: torch.Tensor | None = None,
+    presence: float = 1.0,
 ) -> torch.Tensor:
     """∂ log P(answer) / ∂b_j at b = 0 (``target``: of another number about the answer, see
     :mod:`probe.target`), where b_j is added to the attention logit of key j from every
@@ -54,12 +56,24 @@ def key_removal_gradient(
     left: the pass runs only the kept tokens at their original positions
     (:func:`probe.modifiers.original_positions`, exact as key masking; models without
     ``position_ids`` key-mask instead). Removed tokens score 0. The answer tokens and the rows that
-    predict them must be kept.
+    predict them, and every token after, must be kept.
+
+    ``presence`` in (0, 1]: every token of ``sources`` starts at bias log(``presence``) (from the
+    queries that get a bias on it), the rest at 0: the gradient at a context that holds each source
+    with weight ``presence``. At ½ this is the mean-field estimate of each source's Banzhaf value (its
+    mean removal effect when every other source is kept with probability ½; a key kept with
+    probability p contributes p·e^s to a softmax denominator on average, as a key of bias log p does),
+    from one pass; needs ``sources``.
     """
     depth = float(depth)
     if not depth >= 0:
         raise ValueError(f"depth must be a bias depth >= 0 (0: the gradient at b = 0), got {depth}")
     steps = check_int(steps, "steps", minimum=1)
+    presence = float(presence)
+    if not 0 < presence <= 1:
+        raise ValueError(f"presence must be a weight in (0, 1] (1: the full context), got {presence}")
+    if presence < 1 and sources is None:
+        raise ValueError("presence < 1 weighs the sources' keys: pass sources=[(start, end), ...]")
     if depth == 0 and steps != 1:
         raise ValueError("steps > 1 needs depth > 0: the gradient at b = 0 is one pass")
     ids = check_input_ids(model, input_ids)
@@ -67,52 +81,43 @@ def key_removal_gradient(
     inner = hf_model(model)
     seq = ids.shape[1]
     units = None if sources is None else removal_units(sources, seq)
-    positions, removal, forward = torch.arange(seq), nullcontext(), {}
+    positions, removal = torch.arange(seq), nullcontext()
     if kept is not None:
-        kept = _check_kept(kept, seq, targets.cpu())
+        kept = torch.as_tensor(kept).cpu()
+        if kept.dtype != torch.bool or kept.shape != (seq,):
+            raise ValueError(
+                f"kept must be a BoolTensor[{seq}], one flag per token, got {kept.dtype} {tuple(kept.shape)}"
+            )
+        check_before_answer(~kept[None], int(targets[0]) - 1)
         if compaction_supported(inner):
             positions = kept.nonzero()[:, 0]
             table = positions[None].to(ids.device)
-            removal = original_positions(inner, table)
-            forward = {"position_ids": table, "attention_mask": torch.ones_like(table)}
+            removal = compacted(inner, table)
             ids, targets = ids[:, table[0]], torch.searchsorted(table[0], targets)
             units = None if units is None else units[positions]
         else:
             removal = mask_keys(inner, ~kept[None].to(ids.device))
     run = ids.shape[1]
     bias = torch.zeros(1, run, device=ids.device, requires_grad=True)
+    start = torch.zeros(run, device=ids.device)
+    if units is not None:
+        start[units.to(ids.device) >= seq] = math.log(presence)  # tokens inside a source span
     total = torch.zeros(run, device=ids.device)
     with (
-        removal,
+        removal as forward,
         bias_keys(inner, bias, None if units is None else units.to(ids.device)),
         guarded(model, run, "embedding_grads", checkpoint, len(targets)),
         frozen_parameters(inner),
     ):
         for point in range(steps):
             with torch.no_grad():
-                bias.fill_(-(point + 0.5) / steps * depth)
+                bias.copy_(start - (point + 0.5) / steps * depth)
             with torch.enable_grad():
-                (grad,) = torch.autograd.grad(target_of(inner, ids, targets, target, **forward), bias)
+                (grad,) = torch.autograd.grad(target_of(inner, ids, targets, target, **(forward or {})), bias)
             total += grad[0].detach().float()
     scores = torch.zeros(seq)
     scores[positions] = (total / steps * (depth or 1.0)).cpu()
     return scores
-
-
-def _check_kept(kept, seq: int, targets: torch.Tensor) -> torch.Tensor:
-    """``kept`` as a BoolTensor[seq] that keeps the answer tokens and the rows predicting them."""
-    kept = torch.as_tensor(kept).cpu()
-    if kept.dtype != torch.bool or kept.shape != (seq,):
-        raise ValueError(
-            f"kept must be a BoolTensor[{seq}], one flag per token, got {kept.dtype} {tuple(kept.shape)}"
-        )
-    lost = torch.cat([targets - 1, targets]).unique()
-    lost = lost[~kept[lost]]
-    if lost.numel():
-        raise ValueError(
-            f"kept removes positions {lost.tolist()}: keep the answer tokens and the rows that predict them"
-        )
-    return kept
 
 
 def removal_units(sources: Sequence[tuple[int, int]], seq: int) -> torch.Tensor:

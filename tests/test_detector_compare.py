@@ -42,8 +42,8 @@ def test_detector_compare_writes_every_figure_and_csv(run, names):
     assert metrics.auroc.between(0, 1).all()
     assert (metrics.seconds > 0).all() or set(metrics.detector[metrics.seconds == 0]) <= {"recency"}
     passes = metrics.groupby("detector").passes.first()
-    assert passes["attention"] == passes["key_removal_grad"] == 1 and passes["lexical_overlap"] == 0
-    assert passes["leave_one_out"] > 2 and passes["key_removal_banzhaf"] == 5
+    assert passes["attention"] == passes["key_removal_grad"] == passes["key_removal_banzhaf"] == 1
+    assert passes["leave_one_out"] > 2 and passes["lexical_overlap"] == 0
     assert not list(out.glob(".*tmp*"))  # no half-written files left behind
 
 

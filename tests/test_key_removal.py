@@ -21,12 +21,15 @@ def ids():
     return torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def eager_key_removal_gradient(model, ids, targets, bias: float = 0.0, spans=(), hidden=()) -> torch.Tensor:
-    """∂ Σ log P(targets)/∂b at b_j = ``bias`` for every j, by autograd through eager attention under
-    hand-built additive masks with b_j added to every entry (i, j), i > j, but those with i and j in
-    one of ``spans`` [(start, end)], and the keys ``hidden`` masked: Tensor[seq]."""
+def eager_key_removal_gradient(
+    model, ids, targets, bias: float | torch.Tensor = 0.0, spans=(), hidden=()
+) -> torch.Tensor:
+    """∂ Σ log P(targets)/∂b at b = ``bias`` (one value for every j, or Tensor[seq]), by autograd
+    through eager attention under hand-built additive masks with b_j added to every entry (i, j),
+    i > j, but those with i and j in one of ``spans`` [(start, end)], and the keys ``hidden`` masked:
+    Tensor[seq]."""
     dtype = next(model.parameters()).dtype
-    bias = torch.full((SEQ,), bias, dtype=dtype, requires_grad=True)
+    bias = torch.as_tensor(bias, dtype=dtype).expand(SEQ).clone().requires_grad_()
     later = torch.ones(SEQ, SEQ, dtype=dtype).tril(-1)
     for start, end in spans:
         later[start:end, start:end] = 0
@@ -67,6 +70,26 @@ def test_by_source_key_removal_gradient_equals_eager_autograd(tiny, ids, checkpo
     assert (got[19:] - plain[19:]).abs().max() <= 1e-6  # after the last span nothing changes
 
 
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_key_removal_gradient_at_partial_presence_equals_eager_autograd(tiny, ids, checkpoint):
+    """``presence=p``: the gradient at b = log p on every source token (0 elsewhere)."""
+    start = torch.zeros(SEQ)
+    for first, end in SPANS:
+        start[first:end] = torch.tensor(0.5).log()
+    expected = eager_key_removal_gradient(tiny, ids, TARGETS, bias=start, spans=SPANS)
+    got = key_removal_gradient(tiny, ids, TARGETS, checkpoint=checkpoint, sources=SPANS, presence=0.5)
+    assert (got - expected).abs().max() <= 1e-6
+    whole = key_removal_gradient(tiny, ids, TARGETS, sources=SPANS)
+    assert (got - whole).abs().max() > 1e-4  # the weights moved the gradient
+    for options, message in [
+        ({"presence": 0.0}, "presence"),
+        ({"presence": 1.5}, "presence"),
+        ({}, "sources"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            key_removal_gradient(tiny, ids, TARGETS, **{"presence": 0.5} | options)
+
+
 @pytest.mark.parametrize("compact", [True, False])
 def test_key_removal_gradient_after_removing_tokens_equals_eager_autograd(tiny, ids, compact, monkeypatch):
     """``kept=``: the gradient in what is left once spans 0 and 2 are gone, run compacted at original
@@ -86,7 +109,7 @@ def test_key_removal_gradient_after_removing_tokens_equals_eager_autograd(tiny, 
     for bad, message in [
         (kept[:-1], "BoolTensor\\[24\\]"),
         (kept.int(), "BoolTensor"),
-        (~kept, "keep the answer"),
+        (~kept, "before the answer"),
     ]:
         with pytest.raises(ValueError, match=message):
             key_removal_gradient(tiny, ids, TARGETS, kept=bad)
@@ -156,16 +179,19 @@ def test_detectors_sum_their_first_order_effects_over_sources(tokenizer_sample):
     assert torch.allclose(alone.scores, by_hand, atol=1e-5)
 
 
-def test_key_removal_banzhaf_averages_the_gradient_over_complementary_half_contexts(tokenizer_sample):
-    """By hand: the by-source gradient at the full context and under key masks that hide each half of
-    ``pairs`` seeded random source halves (and its complement); a token's score is its mean over the
-    contexts that keep it, so every source is averaged over ``pairs + 1`` of them."""
+@pytest.mark.parametrize("presence", [0.5, 1.0])
+def test_key_removal_banzhaf_averages_the_gradient_over_complementary_half_contexts(
+    tokenizer_sample, presence
+):
+    """By hand: the by-source gradient of the whole sequence at ``presence`` and under key masks that
+    hide each half of ``pairs`` seeded random source halves (and its complement); a token's score is
+    its mean over the contexts that keep it, so every source is averaged over ``pairs + 1`` of them."""
     tokenizer, sample = tokenizer_sample
     model = probe.tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=1024)
-    found = probe.detect("key_removal_banzhaf", model, tokenizer, sample, pairs=2, seed=5)
+    found = probe.detect("key_removal_banzhaf", model, tokenizer, sample, presence=presence, pairs=2, seed=5)
     spans = [(source.start, source.end) for source in sample.sources]
     ids, targets = sample.input_ids, sample.target_positions
-    total = key_removal_gradient(model, ids, targets, sources=spans)
+    total = key_removal_gradient(model, ids, targets, sources=spans, presence=presence)
     count = torch.ones(len(ids))
     for half in faithfulness.random_masks(len(spans), 2, seed=5):
         for side in (half, ~half):
@@ -183,9 +209,26 @@ def test_key_removal_banzhaf_averages_the_gradient_over_complementary_half_conte
     assert found.details["source_scores"][0] == pytest.approx(
         float(found.scores[first.start : first.end].sum())
     )
-    assert found.settings == {"top_k": 30, "pairs": 2, "seed": 5} and found.details["passes"] == 5
-    with pytest.raises(ValueError, match="pairs"):
-        probe.detect("key_removal_banzhaf", model, tokenizer, sample, pairs=0)
+    assert found.settings == {"top_k": 30, "presence": presence, "pairs": 2, "seed": 5}
+    assert found.details["passes"] == 5
+
+
+def test_key_removal_banzhaf_defaults_to_the_mean_field_gradient(tokenizer_sample):
+    """``pairs=0`` (the default): one pass, the by-source gradient at every source's presence ½."""
+    tokenizer, sample = tokenizer_sample
+    model = probe.tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=1024)
+    found = probe.detect("key_removal_banzhaf", model, tokenizer, sample)
+    spans = [(source.start, source.end) for source in sample.sources]
+    mean_field = key_removal_gradient(
+        model, sample.input_ids, sample.target_positions, sources=spans, presence=0.5
+    )
+    assert torch.equal(found.scores, mean_field)
+    whole = key_removal_gradient(model, sample.input_ids, sample.target_positions, sources=spans)
+    assert (found.scores - whole).abs().max() > 1e-4
+    assert found.details["passes"] == 1 and found.settings["presence"] == 0.5
+    for options, message in [({"pairs": -1}, "pairs"), ({"presence": 0.0}, "presence")]:
+        with pytest.raises(ValueError, match=message):
+            probe.detect("key_removal_banzhaf", model, tokenizer, sample, **options)
 
 
 @pytest.fixture(scope="module")

@@ -224,37 +224,41 @@ def key_removal_banzhaf(
     model,
     tokenizer,
     sample: Sample,
-    pairs: int = 2,
+    presence: float = 0.5,
+    pairs: int = 0,
     seed: int = 1,
     top_k: int = 30,
     checkpoint: bool | str = "auto",
     target: Target | None = None,
 ) -> Detection:
-    """The by-source key-removal gradient (``key_removal_grad(by_source=True)``) averaged over the full
-    context and ``2 * pairs`` random half contexts: a first-order estimate of each source's Banzhaf
-    value (Banzhaf 1965; for data attribution Wang & Jia, AISTATS 2023), the mean effect of removing it
-    from a context that holds each other source with probability 1/2.
+    """A first-order estimate of each source's Banzhaf value (Banzhaf 1965; for data attribution Wang &
+    Jia, AISTATS 2023): the mean effect of removing it from a context that holds each other source
+    with probability ½. The Banzhaf values are the coefficients of the least-squares linear model of
+    the answer's log-probability over uniform half masks (Hammer & Holzman 1992), so they are what LDS
+    (:func:`probe.faithfulness.lds`, such masks) rewards; leave-one-out and ``key_removal_grad``
+    estimate the removal from the full context instead.
 
-    The Banzhaf values are the coefficients of the least-squares linear model of the answer's
-    log-probability over uniform half masks (Hammer & Holzman 1992), so they are what LDS
-    (:func:`probe.faithfulness.lds`, such masks) rewards; the gradient at the full context alone
-    estimates leave-one-out instead. The random contexts come in complementary pairs (``seed``; keep
-    it apart from the seed of an evaluation's masks), so every source is kept in exactly ``pairs`` of
-    them and averaged over ``pairs + 1`` gradients; each runs compacted, only its kept tokens
-    (:func:`~probe.key_removal.key_removal_gradient` ``kept=``). ``1 + 2 * pairs`` forward+backward
-    passes, the random ones over about half the tokens. A source scores the sum over its tokens.
+    One pass by default: the by-source key-removal gradient at ``presence`` ½
+    (:func:`~probe.key_removal.key_removal_gradient` ``presence=``), every source's keys weighted by
+    ½ (bias log ½) — on average a key kept with probability ½ adds half its weight to a softmax, so
+    this is the mean-field point of the random half contexts. ``pairs > 0`` adds the gradient in
+    ``2 * pairs`` random half contexts (complementary pairs, ``seed``; keep it apart from the seed of
+    an evaluation's masks), each run compacted over its kept tokens
+    (:func:`~probe.key_removal.key_removal_gradient` ``kept=``): every source is averaged over the
+    first pass and the ``pairs`` contexts that keep it. ``1 + 2 * pairs`` forward+backward passes.
+    ``presence=1, pairs=2`` is the sampled estimate anchored at the full context. A source scores the
+    sum over its tokens.
     """
-    pairs = check_int(pairs, "pairs", minimum=1)
+    pairs = check_int(pairs, "pairs", minimum=0)
     seq, spans = len(sample.input_ids), [(source.start, source.end) for source in sample.sources]
-    halves = random_masks(len(spans), pairs, seed=seed)
-    contexts = [None]
-    for half in halves:
+    contexts = [(None, presence)]
+    for half in random_masks(len(spans), pairs, seed=seed) if pairs else []:
         for side in (half, ~half):
             kept = torch.ones(seq, dtype=torch.bool)
             kept[removed_positions(sample.sources, ~side)] = False
-            contexts.append(kept)
+            contexts.append((kept, 1.0))
     total, count = torch.zeros(seq), torch.zeros(seq)
-    for kept in contexts:
+    for kept, weight in contexts:
         total += key_removal_gradient(
             model,
             sample.input_ids,
@@ -263,9 +267,12 @@ def key_removal_banzhaf(
             target=target,
             sources=spans,
             kept=kept,
+            presence=weight,
         )
         count += 1 if kept is None else kept.float()
-    return _additive(total / count, sample, top_k, passes=len(contexts), pairs=pairs, seed=seed)
+    return _additive(
+        total / count, sample, top_k, passes=len(contexts), presence=presence, pairs=pairs, seed=seed
+    )
 
 
 @register("at2")
