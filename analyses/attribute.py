@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=Path, required=True, help="a UTF-8 text file: the document")
     parser.add_argument("--query", required=True, help="the question about the document")
     parser.add_argument("--response", default=None, help="the answer to explain (default: the model's)")
-    parser.add_argument("--method", default="key_removal_grad", choices=detectors.names())
+    parser.add_argument("--method", default="key_removal_banzhaf", choices=detectors.names())
     parser.add_argument("--sources", default="sentences", choices=("sentences", "paragraphs"))
     parser.add_argument("--faithfulness", action="store_true", help="also measure faithfulness by ablation")
     parser.add_argument("--masks", type=int, default=32, help="random source masks for LDS")

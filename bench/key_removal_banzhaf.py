@@ -1,23 +1,27 @@
-"""Does averaging the key-removal gradient over random half contexts bring it to leave-one-out's LDS?
+"""Does estimating each source's Banzhaf value bring the key-removal gradient to leave-one-out's LDS?
 
 LDS (:func:`probe.faithfulness.lds`) asks how well a source scoring predicts the answer's
 log-probability over random masks that keep each source with probability 1/2. The best additive
 predictor of such masks is the Banzhaf value of each source; ``key_removal_grad`` estimates its
-removal from the *full* context (leave-one-out's question), ``key_removal_banzhaf`` averages the
-by-source gradient over the full context and ``2 · pairs`` random complementary half contexts
-(:func:`probe.detectors.key_removal_banzhaf`). Per sample, each scorer's seconds (its own passes,
-one thread) and its LDS over the same 32 seeded masks as the main job:
+removal from the *full* context (leave-one-out's question). ``key_removal_banzhaf``
+(:func:`probe.detectors.key_removal_banzhaf`) takes the by-source gradient at every source's
+``presence`` (½: the mean-field point of the half contexts, one pass) and, with ``pairs`` > 0,
+averages it with the gradients in ``2 · pairs`` random complementary half contexts. Per sample,
+each scorer's seconds (its own passes, one thread) and its LDS over the same 32 seeded masks as the
+main job:
 
 - ``information_flow``: the cost yardstick of the goal (≤ 1.5× its seconds);
 - ``key_removal_grad``: the default (token units), and ``key_removal_grad_by_source``;
-- ``key_removal_banzhaf_p{P}``: for each ``--pairs`` P;
+- ``key_removal_banzhaf_q{Q}_p{P}``: for each ``--presences`` Q and ``--pairs`` P;
 - ``leave_one_out``: exhaustive, with ``--loo`` (one pass per source), else read from the
   ``--reference`` CSV (a ``detector_compare`` faithfulness CSV of the same samples and masks).
 
 The defaults are the main job's samples (SmolLM2-135M, multihop-1 and multihop-2 at 1K tokens, seeds
 0–11, 32 masks of seed 0), whose committed faithfulness CSV holds leave-one-out's LDS.
 
-    python bench/key_removal_banzhaf.py --csv bench/results/key_removal_banzhaf.csv
+    python bench/key_removal_banzhaf.py --csv out.csv
+    python bench/key_removal_banzhaf.py --presences 1 --pairs 1 2 \
+        --csv bench/results/key_removal_banzhaf.csv           # the sampled estimate
     python bench/key_removal_banzhaf.py --model gemma3-270m --seeds 0 1 2 3 4 5 --loo \
         --csv bench/results/key_removal_banzhaf_gemma3.csv
 """
@@ -38,14 +42,18 @@ from probe.results import atomic_write
 REFERENCE = Path(__file__).resolve().parents[1] / "figures" / "detector_smollm2-135m-1024_faithfulness.csv"
 
 
-def scorers(pairs: list[int], loo: bool) -> dict[str, tuple[str, dict]]:
+def scorers(presences: list[float], pairs: list[int], loo: bool) -> dict[str, tuple[str, dict]]:
     """Scorer name → (detector, options)."""
     chosen = {
         "information_flow": ("information_flow", {}),
         "key_removal_grad": ("key_removal_grad", {}),
         "key_removal_grad_by_source": ("key_removal_grad", {"by_source": True}),
     }
-    chosen |= {f"key_removal_banzhaf_p{p}": ("key_removal_banzhaf", {"pairs": p}) for p in pairs}
+    chosen |= {
+        f"key_removal_banzhaf_q{q:g}_p{p}": ("key_removal_banzhaf", {"presence": q, "pairs": p})
+        for q in presences
+        for p in pairs
+    }
     if loo:
         chosen["leave_one_out"] = ("leave_one_out", {})
     return chosen
@@ -53,7 +61,8 @@ def scorers(pairs: list[int], loo: bool) -> dict[str, tuple[str, dict]]:
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = samples_parser(__doc__)
-    parser.add_argument("--pairs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--presences", type=float, nargs="+", default=[0.5, 0.25])
+    parser.add_argument("--pairs", type=int, nargs="+", default=[0])
     parser.add_argument("--loo", action="store_true", help="run exhaustive leave-one-out here")
     parser.add_argument(
         "--reference", type=Path, default=REFERENCE, help="leave-one-out's LDS, without --loo"
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         for task in args.tasks:
             sample = tasks.make(task, tokenizer, args.length, seed=seed)
             scores, seconds = {}, {}
-            for name, (detector, options) in scorers(args.pairs, args.loo).items():
+            for name, (detector, options) in scorers(args.presences, args.pairs, args.loo).items():
                 start = time.perf_counter()
                 found = detectors.detect(detector, model, tokenizer, sample, **options)
                 seconds[name] = time.perf_counter() - start

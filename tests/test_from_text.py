@@ -106,7 +106,7 @@ def test_the_cli_writes_sources_view_and_faithfulness(tiny_model_folder, tmp_pat
     assert len(written) == len(table) == 6 and written["rank"].tolist() == list(range(1, 7))
     assert "longprobe-view" in (out / "view.html").read_text()
     faithful = pd.read_csv(out / "faithfulness.csv")
-    assert set(faithful.scorer) == {"key_removal_grad", "leave_one_out", "random_sources"}
+    assert set(faithful.scorer) == {"key_removal_banzhaf", "leave_one_out", "random_sources"}
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ def attribute(
     context: str,
     query: str,
     response: str | None = None,
-    method: str = "key_removal_grad",
+    method: str = "key_removal_banzhaf",
     sources: str | Sequence[str] | Sequence[tuple[int, int]] = "sentences",
     chat: bool | None = None,
     max_new_tokens: int = 64,
@@ -69,7 +69,8 @@ def attribute(
     The context becomes a sample (:meth:`probe.tasks.Sample.from_text`, cut into ``sources``); the
     model answers greedily (at most ``max_new_tokens``) unless ``response`` is given; detector
     ``method`` (any of :func:`names`, ``options`` to it) explains the response's teacher-forced
-    tokens. Returns the :class:`Detection`, its sample attached (``detection.sample``, with the
+    tokens; the default, ``key_removal_banzhaf``, is the one-pass detector nearest exact ablation
+    (LDS, RESULTS.md). Returns the :class:`Detection`, its sample attached (``detection.sample``, with the
     response as its answer), whose :meth:`~Detection.to_frame` has one row per source (text, score,
     rank) and whose view shows the text; :func:`probe.faithfulness.evaluate` and every metric take it.
     """
