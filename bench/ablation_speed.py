@@ -103,18 +103,14 @@ def distinct_masks(sample, scorers) -> int:
     return len(torch.cat(masks).unique(dim=0))
 
 
-def exhaustive_scores(model, tokenizer, sample, found, method: str):
-    """Exhaustive leave-one-out's source scores of ``sample``: ``found``'s for ``loo_exhaustive`` (kept in
-    the temporary folder for the other loo_* children of this invocation), else read back from there."""
-    import tempfile
-    from pathlib import Path
-
+def exhaustive_scores(model, tokenizer, sample, found, method: str, path: Path):
+    """Exhaustive leave-one-out's source scores of ``sample``: ``found``'s for ``loo_exhaustive`` (kept
+    at ``path`` for the other loo_* children of this invocation), else read back from there (run
+    first, untimed, if no exhaustive row came before)."""
     import torch
 
     import probe
 
-    name = f"longprobe_loo_{Path(model.config.name_or_path).name}_{len(sample.input_ids)}_{sample.seed}.pt"
-    path = Path(tempfile.gettempdir()) / name
     if method == "loo_exhaustive":
         torch.save(found.details["source_scores"], path)
         return found.details["source_scores"]
@@ -178,12 +174,8 @@ def _run_child(
         found = probe.detect("leave_one_out", model, tokenizer, one, **LOO_METHODS[method])
         seconds = time.perf_counter() - start
         kept = exhaustive_dir / f"{model_name}_{length}_{dtype}_{one.seed}.pt"
-        if method == "loo_exhaustive" or not kept.exists():
-            exhaustive = (
-                found if method == "loo_exhaustive" else probe.detect("leave_one_out", model, tokenizer, one)
-            )
-            torch.save(exhaustive.details["source_scores"], kept)
-        ours, exact = found.details["source_scores"], torch.load(kept)
+        ours = found.details["source_scores"]
+        exact = exhaustive_scores(model, tokenizer, one, found, method, kept)
         rows.append(
             {
                 "seconds": seconds,
