@@ -7,8 +7,8 @@ removal from the *full* context (leave-one-out's question). ``key_removal_banzha
 (:func:`probe.detectors.key_removal_banzhaf`) takes the by-source gradient at every source's
 ``presence`` (½: the mean-field point of the half contexts, one pass) and, with ``pairs`` > 0,
 averages it with the gradients in ``2 · pairs`` random complementary half contexts. Per sample,
-each scorer's seconds (its own passes, one thread) and its LDS over the same 32 seeded masks as the
-main job:
+each scorer's seconds (its own passes, one thread) and its LDS over the same seeded masks as the
+main job (32; ``--masks``: as many as the ``--reference`` study used):
 
 - ``information_flow``: the cost yardstick of the goal (≤ 1.5× its seconds);
 - ``key_removal_grad``: the default (token units), and ``key_removal_grad_by_source``;
@@ -24,6 +24,9 @@ The defaults are the main job's samples (SmolLM2-135M, multihop-1 and multihop-2
         --csv bench/results/key_removal_banzhaf.csv           # the sampled estimate
     python bench/key_removal_banzhaf.py --model gemma3-270m --seeds 0 1 2 3 4 5 --loo \
         --csv bench/results/key_removal_banzhaf_gemma3.csv
+    python bench/key_removal_banzhaf.py --length 4096 --tasks multihop-2 multihop-3 --seeds 0 1 2 3 \
+        --presences 0.5 --masks 16 --csv out.csv \
+        --reference STUDY/detector_smollm2-135m-4096_faithfulness.csv   # a 4K study's masks
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--presences", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--pairs", type=int, nargs="+", default=[0])
     parser.add_argument("--loo", action="store_true", help="run exhaustive leave-one-out here")
+    parser.add_argument("--masks", type=int, default=32, help="LDS masks (seed 0); the reference's number")
     parser.add_argument(
         "--reference", type=Path, default=REFERENCE, help="leave-one-out's LDS, without --loo"
     )
@@ -80,12 +84,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 found = detectors.detect(detector, model, tokenizer, sample, **options)
                 seconds[name] = time.perf_counter() - start
                 scores[name] = found.source_scores(sample)
-            frame = faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=32)
+            frame = faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=args.masks)
             frame = frame[["scorer", "lds"]].assign(
                 seconds=frame.scorer.map(seconds), model=args.model, length=args.length, task=task, seed=seed
             )
             rows.append(frame)
             print(frame.to_string(index=False), flush=True)
+            if args.csv:  # each sample as it finishes: a stopped run keeps what it measured
+                atomic_write(args.csv, lambda tmp: pd.concat(rows).to_csv(tmp, index=False))
     table = pd.concat(rows, ignore_index=True)
     if not args.loo:
         reference = pd.read_csv(args.reference)

@@ -167,6 +167,17 @@ def check_int(value, what: str, minimum: int | None = None, maximum: int | None 
     return value
 
 
+def check_token_flags(flags, seq: int, what: str) -> torch.Tensor:
+    """``flags`` (a bool tensor or a list of bools) as a BoolTensor[seq] on the CPU, one flag per token;
+    integers are refused (``1`` would not read as a position here, nor a position as a flag)."""
+    flags = torch.as_tensor(flags).cpu()
+    if flags.dtype != torch.bool or flags.shape != (seq,):
+        raise ValueError(
+            f"{what} must be a BoolTensor[{seq}], one flag per token, got {flags.dtype} {tuple(flags.shape)}"
+        )
+    return flags
+
+
 def check_positions(
     positions: Sequence[int] | torch.Tensor, seq: int, what: str, minimum: int = 0
 ) -> torch.Tensor:

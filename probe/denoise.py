@@ -17,7 +17,7 @@ import torch
 
 from probe.attribution import embedding_grads
 from probe.capture import trace
-from probe.checks import check_layers, hf_model, input_device
+from probe.checks import check_layers, check_token_flags, hf_model, input_device
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.shared_state import frozen_parameters
 from probe.target import target_loss
@@ -45,9 +45,7 @@ def moved_tokens(sample: Sample, move: str | torch.Tensor, grads: torch.Tensor) 
     """
     seq = len(sample.input_ids)
     if isinstance(move, torch.Tensor):
-        if move.dtype != torch.bool or move.shape != (seq,):
-            raise ValueError(f"move must be a bool Tensor[{seq}], got {move.dtype} {tuple(move.shape)}")
-        return move
+        return check_token_flags(move, seq, "move")
     if move == "detected":
         return noise_tokens(grads.norm(dim=-1), context=sample.prompt_length)
     if move not in MOVES:

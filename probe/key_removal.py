@@ -9,7 +9,7 @@ from contextlib import nullcontext
 
 import torch
 
-from probe.checks import check_input_ids, check_int, check_positions, hf_model
+from probe.checks import check_input_ids, check_int, check_positions, check_token_flags, hf_model
 from probe.faithfulness import check_before_answer, compacted, compaction_supported
 from probe.modifiers import bias_keys, mask_keys
 from probe.planner import guarded
@@ -83,11 +83,7 @@ def key_removal_gradient(
     units = None if sources is None else removal_units(sources, seq)
     positions, removal = torch.arange(seq), nullcontext()
     if kept is not None:
-        kept = torch.as_tensor(kept).cpu()
-        if kept.dtype != torch.bool or kept.shape != (seq,):
-            raise ValueError(
-                f"kept must be a BoolTensor[{seq}], one flag per token, got {kept.dtype} {tuple(kept.shape)}"
-            )
+        kept = check_token_flags(kept, seq, "kept")
         check_before_answer(~kept[None], int(targets[0]) - 1)
         if compaction_supported(inner):
             positions = kept.nonzero()[:, 0]

@@ -147,7 +147,7 @@ def test_only_the_chosen_tokens_move(tiny, move, monkeypatch):
     "move, error",
     [
         ("everything", "move must be one of"),
-        (torch.ones(39), "bool"),
+        (torch.ones(39), "BoolTensor\\[39\\]"),
         (torch.ones(5, dtype=torch.bool), "39"),
     ],
 )

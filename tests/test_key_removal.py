@@ -104,6 +104,7 @@ def test_key_removal_gradient_after_removing_tokens_equals_eager_autograd(tiny, 
     got = key_removal_gradient(tiny, ids, TARGETS, sources=SPANS, kept=kept)
     assert (got - expected).abs().max() <= 1e-6
     assert torch.equal(got[~kept], torch.zeros(len(hidden)))
+    assert torch.equal(key_removal_gradient(tiny, ids, TARGETS, sources=SPANS, kept=kept.tolist()), got)
     whole = key_removal_gradient(tiny, ids, TARGETS, sources=SPANS)
     assert (got[kept] - whole[kept]).abs().max() > 1e-4  # the removal changed the others' gradients
     for bad, message in [
