@@ -173,9 +173,9 @@ def _run_child(
         start = time.perf_counter()
         found = probe.detect("leave_one_out", model, tokenizer, one, **LOO_METHODS[method])
         seconds = time.perf_counter() - start
-        kept = exhaustive_dir / f"{model_name}_{length}_{dtype}_{one.seed}.pt"
+        path = exhaustive_dir / f"{model_name}_{length}_{dtype}_{one.seed}.pt"
         ours = found.details["source_scores"]
-        exact = exhaustive_scores(model, tokenizer, one, found, method, kept)
+        exact = exhaustive_scores(model, tokenizer, one, found, method, path)
         rows.append(
             {
                 "seconds": seconds,

@@ -31,6 +31,7 @@ The defaults are the main job's samples (SmolLM2-135M, multihop-1 and multihop-2
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -90,19 +91,24 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             )
             rows.append(frame)
             print(frame.to_string(index=False), flush=True)
-            if args.csv:  # each sample as it finishes: a stopped run keeps what it measured
-                atomic_write(args.csv, lambda tmp: pd.concat(rows).to_csv(tmp, index=False))
-    table = pd.concat(rows, ignore_index=True)
-    if not args.loo:
-        reference = pd.read_csv(args.reference)
-        reference = reference[(reference.scorer == "leave_one_out") & (reference.length == args.length)]
-        keys = ["model", "length", "task", "seed"]
-        reference = reference[[*keys, "lds", "seconds"]].assign(scorer="leave_one_out")
-        table = pd.concat([table, reference.merge(table[keys].drop_duplicates(), on=keys)], ignore_index=True)
-    if args.csv:
-        atomic_write(args.csv, lambda tmp: table.to_csv(tmp, index=False))
+            table = measured(rows, None if args.loo else args.reference)
+            if args.csv:  # after each sample: a stopped run keeps what it measured
+                atomic_write(args.csv, functools.partial(table.to_csv, index=False))
     summarize(table)
     return table
+
+
+def measured(rows: list[pd.DataFrame], reference: Path | None) -> pd.DataFrame:
+    """The rows of the samples measured so far; with ``reference`` (a faithfulness CSV), also its
+    leave-one-out rows of the same samples."""
+    table = pd.concat(rows, ignore_index=True)
+    if reference is None:
+        return table
+    found = pd.read_csv(reference)
+    keys = ["model", "length", "task", "seed"]
+    found = found.loc[found.scorer == "leave_one_out", [*keys, "lds", "seconds"]]
+    found = found.assign(scorer="leave_one_out")
+    return pd.concat([table, found.merge(table[keys].drop_duplicates(), on=keys)], ignore_index=True)
 
 
 def summarize(table: pd.DataFrame) -> None:
