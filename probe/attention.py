@@ -9,8 +9,9 @@ name ``"longprobe"``. A :class:`Modifier` declares what it changes and implement
 changes       hook                                               modifiers
 ============  =================================================  ==========================================
 ``inputs``    ``inputs(query, key, value)`` → (q, k, v)           :func:`~probe.modifiers.lrp_attention`
-``scores``    ``scores(mask, query, key, window)`` → additive     :func:`~probe.modifiers.bias_keys`
-              mask over the logits
+``scores``    ``key_bias()`` → (bias [batch or 1, kv], units):    :func:`~probe.modifiers.bias_keys`
+              ``b_j`` on key j's logit from every later query
+              of another unit
 ``mask``      ``overlay(frame)`` → a mask function, and-ed with   :func:`~probe.modifiers.attention_window`,
               the model's own                                     :func:`~probe.modifiers.mask_keys`
 ``positions`` ``table(batch, kv_end, device)`` → the original     :func:`~probe.modifiers.original_positions`
@@ -29,16 +30,19 @@ planner adds. A new modifier is one subclass and one context manager calling :fu
 The layer output comes from the fused ``sdpa`` kernel, exactly as without longprobe, except where the
 model's attention is not plain softmax attention: logit soft-capping (Gemma 2: ``softcap·tanh(s /
 softcap)`` before the mask) and sink logits (gpt-oss: one learned logit per head as an extra column of
-the softmax denominator) are computed exactly, in row blocks. On exit — also after an exception — the
-model's attention implementation is restored.
+the softmax denominator) are computed exactly, in row blocks. A key bias runs on the CPU flash
+kernel, its gradient read from one extra head dimension (:mod:`probe.flash_key_bias`); elsewhere
+(CUDA, soft-capping, a trace beside it) it is added to the mask, on sdpa's math kernel. On exit —
+also after an exception — the model's attention implementation is restored.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -48,6 +52,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, and_masks, causal_mask_function, sdpa_mask
 
 from probe.checks import UnsupportedModelError, _bidirectional, hf_model
+from probe.flash_key_bias import Excluded, key_biased_attention, unit_runs
 from probe.shared_state import shared_change
 
 if TYPE_CHECKING:
@@ -120,8 +125,8 @@ class Modifier:
     def inputs(self, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return query, key, value
 
-    def scores(self, attention_mask, query: torch.Tensor, key: torch.Tensor, window: int | None):
-        return attention_mask
+    def key_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError(f"{type(self).__name__} changes scores but defines no key_bias")
 
     def overlay(self, frame: MaskFrame) -> Callable:
         raise NotImplementedError(f"{type(self).__name__} changes the mask but defines no overlay")
@@ -136,8 +141,11 @@ class Modifier:
         """Record that ``layer``'s attention ran with this modifier active."""
         self.layers_seen.add(layer)
 
-    def memory(self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool) -> dict[str, int]:
-        """Bytes this modifier adds to a probe call's peak, as named planner terms (none by default)."""
+    def memory(
+        self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool, alongside: Sequence[Modifier]
+    ) -> dict[str, int]:
+        """Bytes this modifier adds to a probe call's peak, as named planner terms (none by default);
+        ``alongside``: every modifier of the call, this one included."""
         return {}
 
     @property
@@ -387,21 +395,86 @@ def _attention(
     logits = Logits(scaling, softcap, s_aux, window)
     active = active_modifiers()
     layer = getattr(module, "layer_idx", None)
-    for modifier in _changing(active, SCORES):
-        attention_mask = modifier.scores(attention_mask, query, key, window)
+    biases = _changing(active, SCORES)
     for modifier in _changing(active, INPUTS):
         query, key, value = modifier.inputs(query, key, value)
-    # CUDA's memory-efficient kernel cannot return the gradient of a mask at every length ("LSE is not
-    # correctly aligned"): changed scores run on the math kernel there
-    kernels = sdpa_kernel(SDPBackend.MATH) if _changing(active, SCORES) and query.is_cuda else nullcontext()
-    with kernels:
-        output = _attention_output(module, query, key, value, attention_mask, logits, dropout, **kwargs)
+    if dropout == 0 and flash_key_bias(active, query.device, logits.softcap is None and logits.sinks is None):
+        output = _key_biased_output(query, key, value, attention_mask, logits, biases[0])
+    else:
+        for modifier in biases:
+            attention_mask = key_biased_mask(attention_mask, query, key, window, *modifier.key_bias())
+        # CUDA's memory-efficient kernel cannot return the gradient of a mask at every length ("LSE is
+        # not correctly aligned"): biased logits run on the math kernel there
+        kernels = sdpa_kernel(SDPBackend.MATH) if biases and query.is_cuda else nullcontext()
+        with kernels:
+            output = _attention_output(module, query, key, value, attention_mask, logits, dropout, **kwargs)
     call = LayerCall(module, layer, query, key, value, attention_mask, logits, dropout)
     for modifier in sorted(_changing(active, OUTPUTS), key=lambda modifier: modifier.stage):
         output = modifier.outputs(output, call)
     for modifier in active:
         modifier.reach(layer)
     return output, None
+
+
+def key_biased_mask(
+    attention_mask: torch.Tensor | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    window: int | None,
+    bias: torch.Tensor,
+    units: torch.Tensor | None,
+) -> torch.Tensor:
+    """The layer's additive mask [batch or 1, 1, q, kv] with ``bias[b, j]`` on every key j from each
+    later query i > j (of another unit, with ``units``): the reference of the flash kernel path."""
+    q_len, kv_len = _one_pass(bias, query, key)
+    mask = mask_rows(attention_mask, slice(None), q_len, kv_len, window, query.dtype, device=query.device)
+    later = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(-1)
+    if units is not None:
+        units = units.to(query.device)
+        later &= units[:, None] != units[None, :]
+    return mask + bias.to(device=query.device, dtype=query.dtype)[:, None, None, :] * later
+
+
+def _one_pass(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[int, int]:
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len != kv_len or bias.shape[-1] != kv_len:
+        raise ValueError(
+            f"bias_keys has a bias for {bias.shape[-1]} keys but the layer sees {q_len} queries "
+            f"over {kv_len} keys: run one forward over the whole sequence, without a KV cache"
+        )
+    return q_len, kv_len
+
+
+def flash_key_bias(modifiers: Sequence[Modifier], device: torch.device | str, plain: bool) -> bool:
+    """Whether a key bias among ``modifiers`` runs on the CPU flash kernel (:mod:`probe.flash_key_bias`):
+    one bias, on CPU, plain softmax logits (no soft-cap, no sinks) and no output modifier (a trace
+    rebuilds its rows from the biased mask). Otherwise the biased mask goes to sdpa's math kernel."""
+    alone = len(_changing(modifiers, SCORES)) == 1 and not _changing(modifiers, OUTPUTS)
+    return alone and plain and torch.device(device).type == "cpu"
+
+
+def _key_biased_output(query, key, value, attention_mask, logits: Logits, modifier: Modifier) -> torch.Tensor:
+    """The key-biased attention [batch, q, heads, dim] on the flash kernel, in bands of one window
+    of queries on a sliding layer (as :func:`_windowed_sdpa`)."""
+    bias, units = modifier.key_bias()
+    q_len, kv_len = _one_pass(bias, query, key)
+    device, dtype, window = query.device, query.dtype, logits.sliding_window
+    bias, runs = bias.to(device), unit_runs(units)
+    step = window if runs_in_bands(window, q_len, kv_len) else q_len
+    causal = attention_mask is None and (window is None or q_len <= window)
+    blocks = []
+    for start in range(0, q_len, step):
+        stop = min(start + step, q_len)
+        first = max(0, start - step + 1)
+        band, rows = slice(first, stop), slice(start, stop)
+        mask = partial(mask_rows, attention_mask, rows, q_len, kv_len, window, dtype, (first, stop), device)
+        blocks.append(
+            key_biased_attention(
+                query[:, :, rows], key[:, :, band], value[:, :, band], (lambda: None) if causal else mask,
+                bias[:, band], Excluded(start, first, runs), logits.scaling,
+            )
+        )  # fmt: skip
+    return torch.cat(blocks, dim=1)
 
 
 def _attention_output(module, query, key, value, attention_mask, logits: Logits, dropout: float, **kwargs):

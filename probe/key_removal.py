@@ -36,11 +36,12 @@ def key_removal_gradient(
     A first-order estimate of what removing token j everywhere does to the answer's log-probability
     (``b_j → −∞`` hides key j): positive = the answer leans on it. Unlike scores read off the
     answer rows, it includes indirect paths (a later token that copied token j). Summed over a
-    source's tokens it estimates removing the source. One forward and one backward; the backward of
-    each layer materializes the attention of every row (``[heads, seq, seq]``), so without
-    checkpointing every layer keeps its own: the key-bias modifier states that term to the planner
-    (:meth:`probe.modifiers.KeyBias.memory`), and ``checkpoint="auto"`` recomputes one layer at a time
-    when the plain pass would not fit.
+    source's tokens it estimates removing the source. One forward and one backward. On CPU the bias
+    rides in the flash kernel (:mod:`probe.flash_key_bias`), at about a plain pass's time and memory;
+    on CUDA the backward of each layer materializes the attention of every row (``[heads, seq,
+    seq]``), so without checkpointing every layer keeps its own: the key-bias modifier states its
+    terms to the planner (:meth:`probe.modifiers.KeyBias.memory`), and ``checkpoint="auto"``
+    recomputes one layer at a time when the plain pass would not fit.
 
     ``depth > 0``: the gradient integrated along the path that lowers every key's bias together from
     0 to −``depth`` (integrated gradients on the key biases, midpoint rule over ``steps`` points):

@@ -23,7 +23,7 @@ from probe.attention import (
     MaskFrame,
     Modifier,
     active_modifiers,
-    mask_rows,
+    flash_key_bias,
     modify,
     not_reached,
 )
@@ -136,29 +136,21 @@ class KeyBias(Modifier):
     bias: torch.Tensor
     units: torch.Tensor | None = None
 
-    def scores(
-        self, attention_mask, query: torch.Tensor, key: torch.Tensor, window: int | None
-    ) -> torch.Tensor:
-        """The layer's additive mask [batch or 1, 1, q, kv] with the bias on every strictly earlier key."""
-        q_len, kv_len = query.shape[2], key.shape[2]
-        if q_len != kv_len or self.bias.shape[-1] != kv_len:
-            raise ValueError(
-                f"bias_keys has a bias for {self.bias.shape[-1]} keys but the layer sees {q_len} queries "
-                f"over {kv_len} keys: run one forward over the whole sequence, without a KV cache"
-            )
-        mask = mask_rows(attention_mask, slice(None), q_len, kv_len, window, query.dtype, device=query.device)
-        later = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(-1)
-        if self.units is not None:
-            units = self.units.to(query.device)
-            later &= units[:, None] != units[None, :]
-        return mask + self.bias.to(device=query.device, dtype=query.dtype)[:, None, None, :] * later
+    def key_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.bias, self.units
 
-    def memory(self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool) -> dict[str, int]:
-        """With a gradient on the bias, sdpa's math kernel keeps each layer's full attention and the
-        ``[n, n]`` later-key mask (``2·H·n²·a + n²``, every layer; one at a time checkpointed), and its
-        backward the fp32 probabilities' gradient of one layer (``2·H·n²·4``)."""
+    def memory(
+        self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool, alongside: Sequence[Modifier]
+    ) -> dict[str, int]:
+        """With a gradient on the bias: on the flash kernel (:func:`probe.attention.flash_key_bias`) the
+        running layer's masks, the model's and the compensated one (``2·n²·a + n²``); else sdpa's
+        math kernel keeps each layer's full attention and the ``[n, n]`` later-key mask
+        (``2·H·n²·a + n²``, every layer; one at a time checkpointed), and its backward the fp32
+        probabilities' gradient of one layer (``2·H·n²·4``)."""
         if not self.bias.requires_grad:
             return {}
+        if flash_key_bias(alongside, shapes.device, not (shapes.softcap or shapes.sinks)):
+            return {"key_bias": batch * (2 * seq_len**2 * shapes.act_bytes + seq_len**2)}
         per_layer = 2 * shapes.heads * seq_len**2 * shapes.act_bytes + seq_len**2
         kept = 1 if checkpoint else shapes.layers
         return {"key_bias": batch * (kept * per_layer + 8 * shapes.heads * seq_len**2)}

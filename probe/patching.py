@@ -46,7 +46,9 @@ class HeadRecord(Modifier):
         if layer in self.layers:
             self.layers_seen.add(layer)
 
-    def memory(self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool) -> dict[str, int]:
+    def memory(
+        self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool, alongside: Sequence[Modifier]
+    ) -> dict[str, int]:
         """The recorded outputs: ``layers·n·H·h·a``."""
         size = batch * len(self.layers) * seq_len * shapes.heads * shapes.head_dim * shapes.act_bytes
         return {"recorded_heads": size}

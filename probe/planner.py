@@ -254,7 +254,7 @@ def plan(
     masked = any(modifier.masks_every_layer for modifier in modifiers)
     phases = _phases(shapes, seq_len, name, rows, batch, bool(checkpoint), captured, masked, bool(modifiers))
     for modifier in modifiers:
-        for term, size in modifier.memory(shapes, seq_len, batch, bool(checkpoint)).items():
+        for term, size in modifier.memory(shapes, seq_len, batch, bool(checkpoint), modifiers).items():
             for terms in phases.values():
                 terms[term] = terms.get(term, 0) + size
     phase = max(phases, key=lambda key: sum(phases[key].values()))

@@ -2,7 +2,7 @@
 forward hooks on the output projection that record its input and splice recorded head slices back in;
 and the modifier protocol itself, through a new modifier written in a few lines."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ import probe
 from probe.attention import OUTPUTS, Modifier, modify
 from probe.modifiers import KeyBias
 from probe.planner import plan
+from probe.shapes import Shapes
 
 ATOL = 1e-5
 SEQ = 24  # longer than the tiny Gemma's sliding window (6)
@@ -177,16 +178,22 @@ def test_a_new_modifier_is_one_subclass_and_nests(tiny):
 
 
 def test_the_planner_asks_the_active_modifiers(tiny):
-    """A key bias with a gradient states its attention matrices; plan() adds them to every phase."""
+    """A key bias with a gradient states its memory and plan() adds it to every phase: on CPU the
+    flash kernel's masks of the running layer, on CUDA the math kernel's attention matrices."""
     n = 64
     bias = torch.zeros(1, n, requires_grad=True)
-    plain = plan(tiny, n, "embedding_grads")
-    biased = plan(tiny, n, "embedding_grads", modifiers=[KeyBias(bias)])
+    flash = plan(tiny, n, "embedding_grads", modifiers=[KeyBias(bias)])
+    assert flash.terms["key_bias"] == 2 * n * n * 4 + n * n
+    cuda = replace(Shapes.of(tiny), device="cuda")
+    plain = plan(cuda, n, "embedding_grads")
+    biased = plan(cuda, n, "embedding_grads", modifiers=[KeyBias(bias)])
     config = tiny.config
     per_layer = 2 * config.num_attention_heads * n * n * 4 + n * n
     expected = config.num_hidden_layers * per_layer + 8 * config.num_attention_heads * n * n
     assert biased.terms["key_bias"] == expected
     assert biased.terms["masks"] > plain.terms["masks"]  # every layer now gets a mask
-    checkpointed = plan(tiny, n, "embedding_grads", checkpoint=True, modifiers=[KeyBias(bias)])
+    checkpointed = plan(cuda, n, "embedding_grads", checkpoint=True, modifiers=[KeyBias(bias)])
     assert checkpointed.terms["key_bias"] == per_layer + 8 * config.num_attention_heads * n * n
+    beside_outputs = plan(tiny, n, "embedding_grads", modifiers=[KeyBias(bias), DoubleHeads()])
+    assert beside_outputs.terms["key_bias"] == expected  # an output modifier reads the biased mask
     assert "key_bias" not in plan(tiny, n, "embedding_grads", modifiers=[KeyBias(bias.detach())]).terms

@@ -1,0 +1,116 @@
+"""The key bias on the CPU flash kernel against the biased mask on sdpa's math kernel."""
+
+from contextlib import ExitStack
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probe import attention, flash_key_bias
+from probe.attention import OUTPUTS, Modifier, key_biased_mask, modify
+from probe.flash_key_bias import Excluded, key_biased_attention, unit_runs
+from probe.modifiers import bias_keys
+from probe.shared_state import frozen_parameters
+from probe.target import target_of
+
+N, HEADS, KV_HEADS, DIM = 40, 4, 2, 8
+UNITS = torch.arange(N)
+UNITS[5:12], UNITS[20:31] = N, N + 1  # two multi-token units
+
+
+def reference(query, key, value, mask, bias, rows: slice, keys: slice) -> torch.Tensor:
+    """sdpa (math kernel) under the whole biased mask of :func:`key_biased_mask`, cut to the call."""
+    causal = torch.zeros(1, 1, N, N).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -torch.inf)
+    whole = key_biased_mask(causal if mask is None else mask, query, query, None, bias, UNITS)
+    groups = HEADS // KV_HEADS
+    return F.scaled_dot_product_attention(
+        query[:, :, rows],
+        key[:, :, keys].repeat_interleave(groups, 1),
+        value[:, :, keys].repeat_interleave(groups, 1),
+        attn_mask=whole[:, :, rows, keys],
+        scale=0.3,
+    ).transpose(1, 2)
+
+
+@pytest.mark.parametrize("batch_bias", [1, 2])
+@pytest.mark.parametrize("presence", [1.0, 0.5])
+@pytest.mark.parametrize("call", ["causal", "masked", "band"])
+def test_the_flash_key_bias_equals_the_biased_mask(call, presence, batch_bias):
+    """Output and the gradients of q, k, v and the bias, to 1e-5 (fp32): no mask, a window with a
+    hidden key, and one band of a sliding layer (queries 18–29 over keys 9–29)."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, HEADS, N, DIM, generator=generator, requires_grad=True)
+    key = torch.randn(2, KV_HEADS, N, DIM, generator=generator, requires_grad=True)
+    value = torch.randn(2, KV_HEADS, N, DIM, generator=generator, requires_grad=True)
+    bias = torch.randn(batch_bias, N, generator=generator) * (presence < 1)
+    bias = (bias + torch.where(UNITS >= N, torch.tensor(presence).log(), 0.0)).requires_grad_()
+    mask, rows, keys = None, slice(0, N), slice(0, N)
+    if call != "causal":
+        positions = torch.arange(N)
+        allowed = (positions[None] <= positions[:, None]) & (positions[None] > positions[:, None] - 10)
+        allowed[:, 3] = positions == 3  # key 3 hidden from every other query
+        mask = torch.zeros(1, 1, N, N).masked_fill(~allowed, -torch.inf)
+    if call == "band":
+        rows, keys = slice(18, 30), slice(9, 30)
+    band = None if mask is None else mask[:, :, rows, keys]
+    excluded = Excluded(rows.start, keys.start, unit_runs(UNITS))
+    got = key_biased_attention(
+        query[:, :, rows], key[:, :, keys], value[:, :, keys], lambda: band, bias[:, keys], excluded, 0.3
+    )
+    expected = reference(query, key, value, mask, bias, rows, keys)
+    weights = torch.randn(got.shape, generator=generator)
+    inputs = [query, key, value, bias]
+    got_grads = torch.autograd.grad((got * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    assert (got - expected).abs().max() <= 1e-5
+    for got_grad, expected_grad in zip(got_grads, expected_grads, strict=True):
+        assert (got_grad - expected_grad).abs().max() <= 1e-5
+    assert expected_grads[3].abs().max() > 1e-2  # the bias matters
+
+
+def test_unit_runs_are_the_multi_token_units():
+    assert unit_runs(UNITS) == ((5, 12), (20, 31))
+    assert unit_runs(None) == ()
+
+
+class Untouched(Modifier):
+    """An output modifier that changes nothing: beside a key bias it sends it to the math kernel."""
+
+    changes = frozenset({OUTPUTS})
+
+    def outputs(self, output, call):
+        return output
+
+
+@pytest.mark.parametrize("presence", [1.0, 0.5])
+def test_a_model_under_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(
+    tiny, presence, monkeypatch
+):
+    """Tiny Llama (GQA) and Gemma 3 (window 6 < 24 tokens: bands): the gradient of the answer's
+    log-probability by the bias, flash kernel against math kernel, to 1e-6."""
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([21, 22, 23])
+    units = torch.arange(24)
+    units[2:6], units[12:19] = 24, 25
+    start = torch.where(units >= 24, torch.tensor(presence).log(), 0.0)[None]
+    calls = []
+    flash = flash_key_bias.key_biased_attention
+    monkeypatch.setattr(attention, "key_biased_attention", lambda *args: calls.append(1) or flash(*args))
+
+    def gradient(*beside: Modifier) -> torch.Tensor:
+        bias = start.clone().requires_grad_()
+        with ExitStack() as stack:
+            stack.enter_context(bias_keys(tiny, bias, units))
+            stack.enter_context(frozen_parameters(tiny))
+            for modifier in beside:
+                stack.enter_context(modify(tiny, modifier))
+            (grad,) = torch.autograd.grad(target_of(tiny, ids, targets), bias)
+        return grad
+
+    fast = gradient()
+    assert len(calls) >= tiny.config.num_hidden_layers
+    calls.clear()
+    slow = gradient(Untouched())
+    assert not calls
+    assert (fast - slow).abs().max() <= 1e-6
+    assert slow.abs().max() > 1e-3
