@@ -148,10 +148,11 @@ class Modifier:
         ``alongside``: every modifier of the call, this one included."""
         return {}
 
-    @property
-    def masks_every_layer(self) -> bool:
-        """Whether every layer's sdpa gets a materialized mask while this modifier is active."""
-        return bool(self.changes & {SCORES, MASK, POSITIONS})
+    def masks_every_layer(self, shapes: Shapes, alongside: Sequence[Modifier]) -> bool:
+        """Whether every layer's sdpa gets a materialized mask while this modifier is active (a key
+        bias: unless it runs on the flash kernel)."""
+        biased = SCORES in self.changes and not flash_key_bias(alongside, shapes.device, shapes.plain_logits)
+        return biased or bool(self.changes & {MASK, POSITIONS})
 
     def finish(self, inner: PreTrainedModel) -> None:
         """Raise :class:`UnsupportedModelError` if the block ran but the modifier took no effect."""

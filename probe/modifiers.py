@@ -149,7 +149,7 @@ class KeyBias(Modifier):
         probabilities' gradient of one layer (``2·H·n²·4``)."""
         if not self.bias.requires_grad:
             return {}
-        if flash_key_bias(alongside, shapes.device, not (shapes.softcap or shapes.sinks)):
+        if flash_key_bias(alongside, shapes.device, shapes.plain_logits):
             return {"key_bias": batch * (2 * seq_len**2 * shapes.act_bytes + seq_len**2)}
         per_layer = 2 * shapes.heads * seq_len**2 * shapes.act_bytes + seq_len**2
         kept = 1 if checkpoint else shapes.layers

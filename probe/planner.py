@@ -251,7 +251,7 @@ def plan(
         raise ValueError(f"seq_len, rows and batch must be positive, got {seq_len}, {rows}, {batch}")
     shapes = model if isinstance(model, Shapes) else Shapes.of(model)
     captured = _check_layers(layers, shapes.layers)
-    masked = any(modifier.masks_every_layer for modifier in modifiers)
+    masked = any(modifier.masks_every_layer(shapes, modifiers) for modifier in modifiers)
     phases = _phases(shapes, seq_len, name, rows, batch, bool(checkpoint), captured, masked, bool(modifiers))
     for modifier in modifiers:
         for term, size in modifier.memory(shapes, seq_len, batch, bool(checkpoint), modifiers).items():

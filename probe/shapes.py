@@ -83,8 +83,13 @@ class Shapes:
         soft-capped or sink logits), ``"eager"`` (transformers' eager attention, the model's own) or
         ``"sdpa"``. ``own``: under longprobe's attention function (a trace or a modifier is active)."""
         if own:
-            return "exact" if self.softcap or self.sinks else "sdpa"
+            return "sdpa" if self.plain_logits else "exact"
         return "eager" if self.eager else "sdpa"
+
+    @property
+    def plain_logits(self) -> bool:
+        """Whether the attention is plain softmax attention (no soft-capping, no sink logits)."""
+        return not (self.softcap or self.sinks)
 
     def masked(self, layer: int, seq: int, everywhere: bool) -> bool:
         """Whether ``layer``'s sdpa gets a materialized mask for a ``seq``-token input."""

@@ -184,6 +184,7 @@ def test_the_planner_asks_the_active_modifiers(tiny):
     bias = torch.zeros(1, n, requires_grad=True)
     flash = plan(tiny, n, "embedding_grads", modifiers=[KeyBias(bias)])
     assert flash.terms["key_bias"] == 2 * n * n * 4 + n * n
+    assert flash.terms["masks"] == plan(tiny, n, "embedding_grads").terms["masks"]  # no mask per layer
     cuda = replace(Shapes.of(tiny), device="cuda")
     plain = plan(cuda, n, "embedding_grads")
     biased = plan(cuda, n, "embedding_grads", modifiers=[KeyBias(bias)])

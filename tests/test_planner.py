@@ -16,8 +16,9 @@ from test_architectures import build
 import probe
 from probe import memory, planner
 from probe.capture import trace
-from probe.modifiers import KeyMask
+from probe.modifiers import KeyBias, KeyMask, bias_keys
 from probe.planner import Plan, Shapes, auto_checkpoint, guard, plan
+from probe.shared_state import frozen_parameters
 
 GRAD = ("information_flow", "answer_attribution", "embedding_grads")
 ALL = (*GRAD, "embedding_grad_norms", "attention_rows", "forward")
@@ -230,6 +231,26 @@ def test_predicted_activations_equal_the_bytes_autograd_saves(arch, name, layers
     expected = predicted.terms["activations"] + predicted.terms["attention_workspace"]
     # what the planner leaves to other terms: rotary tables, row-sized tensors (< 4 % on tiny shapes)
     assert measured == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_key_bias_on_the_flash_kernel_saves_what_the_planner_counts(arch):
+    """``key_removal_gradient``'s pass (a key bias with a gradient, units at ½ presence): the flash
+    kernel keeps no ``[n, n]`` tensor a layer, so the layers save what a plain pass saves."""
+    model = probe.tiny_model(arch, num_hidden_layers=4, max_position_embeddings=512)
+    n, rows = 300, 4
+    ids, targets = torch.randint(0, 128, (1, n)), torch.arange(n - rows, n)
+    units = torch.arange(n)
+    units[10:50] = n
+    bias = torch.where(units >= n, -0.69, 0.0)[None].requires_grad_()
+
+    def run():
+        with bias_keys(model, bias, units), frozen_parameters(model), torch.enable_grad():
+            probe.target_loss(model, ids, targets).backward()
+
+    measured = _saved_bytes(model, run)
+    predicted = plan(model, n, "embedding_grads", rows=rows, modifiers=[KeyBias(bias, units)]).terms
+    assert measured == pytest.approx(predicted["activations"] + predicted["attention_workspace"], rel=0.05)
 
 
 @pytest.mark.parametrize(
