@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 IMPLEMENTATION = "longprobe"
 INPUTS, SCORES, MASK, POSITIONS, OUTPUTS = "inputs", "scores", "mask", "positions", "outputs"
 EXACT_BLOCK = 256  # query rows per block of exact softmax attention (soft-capping, sinks)
+KEY_BIAS_BLOCK = 512  # query rows per flash call of a key bias under a mask
 
 
 @dataclass(frozen=True)
@@ -461,12 +462,14 @@ def _key_biased_output(query, key, value, attention_mask, logits: Logits, modifi
     q_len, kv_len = _one_pass(bias, query, key)
     device, dtype, window = query.device, query.dtype, logits.sliding_window
     bias, runs = bias.to(device), unit_runs(units)
-    step = window if runs_in_bands(window, q_len, kv_len) else q_len
-    causal = attention_mask is None and (window is None or q_len <= window)
+    banded = runs_in_bands(window, q_len, kv_len)
+    # a mask makes the kernel visit every key block: rows in blocks over their causal keys only
+    causal = attention_mask is None and (window is None or q_len <= window) and not bias.any()
+    step = window if banded else q_len if causal else KEY_BIAS_BLOCK
     blocks = []
     for start in range(0, q_len, step):
         stop = min(start + step, q_len)
-        first = max(0, start - step + 1)
+        first = max(0, start - window + 1) if banded else 0
         band, rows = slice(first, stop), slice(start, stop)
         mask = partial(mask_rows, attention_mask, rows, q_len, kv_len, window, dtype, (first, stop), device)
         blocks.append(

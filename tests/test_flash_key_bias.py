@@ -82,12 +82,13 @@ class Untouched(Modifier):
         return output
 
 
+@pytest.mark.parametrize("block", [512, 5])
 @pytest.mark.parametrize("presence", [1.0, 0.5])
-def test_a_model_under_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(
-    tiny, presence, monkeypatch
-):
+def test_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(tiny, presence, block, monkeypatch):
     """Tiny Llama (GQA) and Gemma 3 (window 6 < 24 tokens: bands): the gradient of the answer's
-    log-probability by the bias, flash kernel against math kernel, to 1e-6."""
+    log-probability by the bias, flash kernel against math kernel, to 1e-6; ``block`` 5: the rows of
+    a full layer under a mask run in blocks of 5 (:data:`probe.attention.KEY_BIAS_BLOCK`)."""
+    monkeypatch.setattr(attention, "KEY_BIAS_BLOCK", block)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     targets = torch.tensor([21, 22, 23])
     units = torch.arange(24)
