@@ -85,7 +85,7 @@ def key_biased_attention(
     CPU only (the flash kernel of ``torch.nn.functional.scaled_dot_product_attention`` on CPU).
     """
     output = _KeyBiasedAttention.apply(query, key, value, bias, mask, excluded, scale)
-    return output.transpose(1, 2)
+    return output.transpose(1, 2).contiguous()
 
 
 class _KeyBiasedAttention(torch.autograd.Function):
