@@ -352,6 +352,12 @@ CLAIMS = [
           detector_advantage("information_flow", "attention", 4096)),
     Claim("grad_vs_lsd_4k", "002 §6.1", "… gradient over LSD at 4K tokens", "(as at 1K)",
           detector_advantage("embedding_grad", "lsd", 4096)),
+    Claim("grad_vs_attention_8k", "002 §3.1", "… the same at 8K tokens", "(as at 1K)",
+          detector_advantage("embedding_grad", "attention", 8192)),
+    Claim("flow_vs_attention_8k", "002 §3.1, eq. 1", "… information flow at 8K tokens", "(as at 1K)",
+          detector_advantage("information_flow", "attention", 8192)),
+    Claim("grad_vs_lsd_8k", "002 §6.1", "… gradient over LSD at 8K tokens", "(as at 1K)",
+          detector_advantage("embedding_grad", "lsd", 8192)),
     Claim("noise_restraint", "002 §3.2, Fig. 4", "Moving noise embeddings against the gradient multiplies "
           "attention on critical tokens", "×10", noise_restraint_gain(1024)),
     Claim("noise_restraint_4k", "002 §3.2, Fig. 4", "… the same at 4K tokens", "×10",
