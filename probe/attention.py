@@ -78,6 +78,11 @@ class Logits:
     sinks: torch.Tensor | None = None
     sliding_window: int | None = None
 
+    @property
+    def plain(self) -> bool:
+        """Plain softmax attention: no soft-capping, no sink logits (what sdpa computes)."""
+        return self.softcap is None and self.sinks is None
+
     def pattern(self, query: torch.Tensor, key: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor):
         """A[rows]: Tensor[batch, heads, rows, kv] (see :func:`pattern_rows`)."""
         return pattern_rows(query, key, rows, mask, self.scaling, self.softcap, self.sinks)
@@ -400,7 +405,7 @@ def _attention(
     biases = _changing(active, SCORES)
     for modifier in _changing(active, INPUTS):
         query, key, value = modifier.inputs(query, key, value)
-    if dropout == 0 and flash_key_bias(active, query.device, logits.softcap is None and logits.sinks is None):
+    if dropout == 0 and flash_key_bias(active, query.device, logits.plain):
         output = _key_biased_output(query, key, value, attention_mask, logits, biases[0])
     else:
         for modifier in biases:
@@ -485,8 +490,7 @@ def _attention_output(module, query, key, value, attention_mask, logits: Logits,
     """Softmax attention [batch, q, heads, dim]: the sdpa kernel (on the band of a sliding window
     where that is smaller), or exact softmax attention in row blocks for what sdpa does not model
     (soft-capping, attention sinks)."""
-    scaling, window = logits.scaling, logits.sliding_window
-    plain = logits.softcap is None and logits.sinks is None
+    scaling, window, plain = logits.scaling, logits.sliding_window, logits.plain
     if plain and runs_in_bands(window, query.shape[2], key.shape[2]):
         return _windowed_sdpa(module, query, key, value, attention_mask, window, dropout, scaling, **kwargs)
     if plain:
