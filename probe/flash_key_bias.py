@@ -142,8 +142,6 @@ def _with_compensation(mask, bias, excluded: Excluded, query) -> torch.Tensor | 
     """``mask`` with ``−b_j`` on the excluded pairs, so they carry no bias; ``None`` (the causal flag)
     when there is no mask and the bias is 0 on every excluded pair."""
     rows, keys = query.shape[2], bias.shape[1]
-    diagonal = excluded.diagonal(rows).to(bias.device)
-    blocks = list(excluded.blocks(rows, keys))
     if mask is None and not bias.any():
         return None
     if mask is None:
@@ -152,8 +150,9 @@ def _with_compensation(mask, bias, excluded: Excluded, query) -> torch.Tensor | 
     batch = max(mask.shape[0], bias.shape[0])
     full = mask.expand(batch, 1, rows, keys).to(query.dtype).clone()
     compensation = (-bias).to(query.dtype).expand(batch, keys)
+    diagonal = excluded.diagonal(rows).to(bias.device)
     full[:, 0, torch.arange(rows), diagonal] += compensation[:, diagonal]
-    for q, k in blocks:
+    for q, k in excluded.blocks(rows, keys):
         lower = excluded.lower(q, k, query.device)
         full[:, 0, q, k] += compensation[:, None, k] * lower
     return full
