@@ -149,9 +149,15 @@ def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
 
 
 def faithfulness_rows(figures: Path) -> pd.DataFrame:
-    """Every detector-comparison sample's faithfulness rows, each (model, task, seed) once."""
-    rows = pd.concat(faithfulness_studies(figures), ignore_index=True)
-    return rows.drop_duplicates(subset=["model", "length", "task", "seed", "scorer"])
+    """The faithfulness rows of one detector-comparison study per model and length: the one with the
+    most samples, then the most scorers (its own protocol, not mixed with another study's)."""
+    chosen: dict[tuple, tuple[tuple[int, int], pd.DataFrame]] = {}
+    for study in faithfulness_studies(figures):
+        for key, rows in study.groupby(["model", "length"]):
+            size = (len(rows[["task", "seed"]].drop_duplicates()), rows.scorer.nunique())
+            if key not in chosen or size > chosen[key][0]:
+                chosen[key] = (size, rows)
+    return pd.concat([rows for _, rows in chosen.values()], ignore_index=True)
 
 
 def detector_advantage(
@@ -174,21 +180,14 @@ def detector_advantage(
 
 
 def ranking_by_length(figures: Path) -> pd.DataFrame:
-    """Each detector-comparison study's scorers: mean LDS and AOPC of comprehensiveness with 95 %
-    bootstrap intervals over samples, and the LDS rank within the study (1 = most faithful). Of several
-    studies of one model at one length, the one with the most samples stands for it (its own protocol,
-    not mixed with earlier ones).
+    """Each detector-comparison study's scorers (:func:`faithfulness_rows`: one study per model and
+    length): mean LDS and AOPC of comprehensiveness with 95 % bootstrap intervals over samples, and the
+    LDS rank within the study (1 = most faithful).
 
     One row per (model, length, scorer): ``n`` samples, ``lds``, ``lds_low``, ``lds_high``,
     ``aopc``, ``aopc_low``, ``aopc_high``, ``rank``.
     """
-    largest: dict[tuple, pd.DataFrame] = {}
-    for study in faithfulness_studies(figures):
-        for key, rows in study.groupby(["model", "length"]):
-            size = len(rows[["task", "seed"]].drop_duplicates())
-            if key not in largest or size > len(largest[key][["task", "seed"]].drop_duplicates()):
-                largest[key] = rows
-    rows = pd.concat(largest.values(), ignore_index=True)
+    rows = faithfulness_rows(figures)
     records = []
     for (model, length, scorer), group in rows.groupby(["model", "length", "scorer"]):
         lds = bootstrap(group.lds, over="samples")

@@ -18,22 +18,25 @@ import torch
 
 from analyses import stats
 from probe import answer, detectors, faithfulness, metrics, tasks
-from probe.at2 import HeadWeights
 
 # one forward+backward a sample
 ONE_PASS = (*detectors.SHARED_PASS, "key_removal_grad", "key_removal_banzhaf", "attn_lrp")
-DEFAULT_DETECTORS = [*ONE_PASS, "lsd", "lexical_overlap", "recency", "leave_one_out"]
+# the main job's: CDT's baselines, the key-removal gradients and the exact reference (leave_one_out pruned
+# on key_removal_grad's ranking); the full 1K study in RESULTS.md judges every detector
+DEFAULT_DETECTORS = [
+    "attention",
+    "information_flow",
+    "embedding_grad",
+    "key_removal_grad",
+    "key_removal_banzhaf",
+    "leave_one_out",
+]
 REFERENCES = ("ground_truth", "random_sources")
 BASELINES = ("attention", "leave_one_out")  # every scorer's difference from these, with intervals
 INTERVAL_METRICS = ("aopc_comprehensiveness", "aopc_sufficiency", "lds")
 LAYER_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
 RANKED = {"auroc": "plausibility", "aopc_comprehensiveness": "comprehensiveness", "lds": "LDS"}
 ANSWERS = {"correct": "answered correctly", "wrong": "answered wrongly", "all": "all answers"}
-
-
-def default_detectors(model) -> list[str]:
-    """:data:`DEFAULT_DETECTORS`, less ``at2`` where no bundled head weights fit ``model``."""
-    return [name for name in DEFAULT_DETECTORS if name != "at2" or HeadWeights.bundled(model) is not None]
 
 
 def layer_enrichment(per_layer: torch.Tensor, sample: tasks.Sample) -> pd.DataFrame:
@@ -108,7 +111,8 @@ def compare_samples(
         for name in names:
             if name not in shared:
                 start = time.perf_counter()
-                found[name] = detectors.detect(name, model, tokenizer, sample, **options.get(name, {}))
+                chosen = {**options.get(name, {}), **detectors.ranking_at_hand(name, options, found, sample)}
+                found[name] = detectors.detect(name, model, tokenizer, sample, **chosen)
                 cost[name] = time.perf_counter() - start
     found_all = [{name: found[name] for name in names} for found in found_all]
     for name, detection in found_all[0].items() if pages is not None else ():
@@ -154,10 +158,16 @@ def judge_faithfulness(
 ) -> pd.DataFrame:
     """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
     ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``),
-    ``ablation`` (compaction or key masking)."""
+    ``ablation`` (compaction or key masking). The masks an ablation detector already ran for the same
+    target (the default) are not run again."""
     scorers = source_scorers(found, sample, source_reduce)
+    known = [
+        ablations
+        for detection in found.values()
+        if "target" not in detection.settings and (ablations := faithfulness.Ablations.of(detection))
+    ]
     faithful = faithfulness.evaluate(
-        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size
+        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size, known=known
     )
     faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
     return faithful.assign(source_reduce=source_reduce, n_masks=n_masks, ablation=faithful.attrs["ablation"])

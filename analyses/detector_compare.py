@@ -32,18 +32,22 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
   with 95 % bootstrap intervals over samples, and its paired difference from ``attention`` and from
   ``leave_one_out`` (the exact ablation), with intervals.
 
-The default judges the one-pass detectors (``attention``, ``fr``, ``information_flow``,
-``embedding_grad``, ``grad_times_input``, ``key_removal_grad``, ``key_removal_banzhaf``,
-``attn_lrp``, ``at2`` where head weights fit the model), LongPPL's ``lsd``, two
-model-free baselines and exact ``leave_one_out`` on 24 samples (12 per task). Every row says what
+The default, the main job, judges CDT's detectors (``attention``, ``information_flow``,
+``embedding_grad``), the key-removal gradients (``key_removal_grad``, ``key_removal_banzhaf``) and
+``leave_one_out`` on 24 samples (12 per task), with the protocol the studies at 4K and 8K use: k = 1, 4;
+16 random masks for LDS; leave-one-out exact on the 8 sources ``key_removal_grad`` ranks highest and its
+scaled estimate elsewhere (``--loo-top-m all``: exhaustive, one pass per source). Every row says what
 the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass per distinct mask
-(compacted: only the kept tokens run), up to ~120 a sample; leave-one-out one per source. Other
-settings than the defaults write to a folder of their own under ``figures/studies``, so that
-``figures/`` holds exactly what the default writes.
+(compacted: only the kept tokens run), about 50 a sample. Other settings than the defaults write to a
+folder of their own under ``figures/studies``, so that ``figures/`` holds exactly what the default
+writes.
 
     python -m analyses.detector_compare                               # the main job, SmolLM2, ~1K tokens
     python -m analyses.detector_compare --samples 4 --detectors attention information_flow
-    python -m analyses.detector_compare --model gemma3-270m --length 4096 --samples 12 --ks 1 4 --masks 16
+    python -m analyses.detector_compare --model gemma3-270m --length 4096 --tasks multihop-1 multihop-2
+    python -m analyses.detector_compare --detectors attention fr embedding_grad information_flow \\
+        grad_times_input at2 key_removal_grad key_removal_banzhaf attn_lrp lsd lexical_overlap recency \\
+        leave_one_out --ks 1 2 4 8 --masks 32 --loo-top-m all          # the full 1K study of RESULTS.md
 """
 
 from __future__ import annotations
@@ -66,7 +70,6 @@ from analyses.comparison import (
     REFERENCES,
     answer_label,
     compare_samples,
-    default_detectors,
     deletion_curves,
     faithfulness_intervals,
     faithfulness_summary,
@@ -200,6 +203,15 @@ def plot_intervals(intervals: pd.DataFrame) -> plt.Figure:
     return fig
 
 
+def top_m(value: str) -> int | None:
+    """``--loo-top-m``: a positive number of sources, or ``all`` (None: exhaustive leave-one-out)."""
+    if value == "all":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of sources or 'all', got {value!r}")
+    return int(value)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -213,14 +225,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="+",
         default=None,
         choices=detectors.names(),
-        help=f"default: {' '.join(DEFAULT_DETECTORS)} (at2 where head weights fit the model)",
+        help=f"default: {' '.join(DEFAULT_DETECTORS)}",
     )
     parser.add_argument(
         "--ks",
         type=int,
         nargs="+",
-        default=list(faithfulness.KS),
-        help="numbers of top sources removed / kept (comprehensiveness, sufficiency)",
+        default=[1, 4],
+        help="numbers of top sources removed / kept (comprehensiveness, sufficiency; default 1 4)",
     )
     parser.add_argument("--top-k", type=int, default=30, help="k of the top-k sets (CDT uses 30)")
     parser.add_argument(
@@ -232,13 +244,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=faithfulness.REDUCTIONS,
         help="token scores -> one score per source (default mean: a sum favours long sentences)",
     )
-    parser.add_argument("--masks", type=int, default=32, help="random source masks per sample for LDS")
+    parser.add_argument("--masks", type=int, default=16, help="random source masks per sample for LDS")
     parser.add_argument(
         "--loo-top-m",
-        type=int,
-        default=None,
+        type=top_m,
+        default=8,
         help="leave_one_out exact on the M sources key_removal_grad ranks highest, the rest its scaled "
-        "estimate (default: exhaustive, one pass per source; prune at length)",
+        "estimate (default 8; 'all': exhaustive, one pass per source)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="first sample's seed; seed of the LDS masks")
@@ -274,8 +286,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--length must be at least 64 tokens")
     if min(args.ks) < 1:
         parser.error("--ks must be positive numbers of sources")
-    if args.loo_top_m is not None and args.loo_top_m < 1:
-        parser.error("--loo-top-m must be at least 1")
     if args.lsd_k is not None and not 1 <= args.lsd_k < args.length:
         parser.error(f"--lsd-k must be between 1 and --length - 1 ({args.length - 1}), got {args.lsd_k}")
     if args.top_k < 1:
@@ -304,7 +314,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     out = args.out or study_folder(args)
     model, tokenizer = load(args)
-    names = args.detectors or default_detectors(model)
+    names = args.detectors or DEFAULT_DETECTORS
     context = model.config.get_text_config().max_position_embeddings
     if args.length + args.max_new_tokens > context:
         raise SystemExit(

@@ -43,7 +43,10 @@ from analyses.stats import bootstrap
 from probe import detectors, faithfulness, tasks
 from probe.results import atomic_write
 
-REFERENCE = Path(__file__).resolve().parents[1] / "figures" / "detector_smollm2-135m-1024_faithfulness.csv"
+REFERENCE = (
+    Path(__file__).resolve().parents[1]
+    / "figures/studies/detector_smollm2-135m-1024_0f1cc1b9/detector_smollm2-135m-1024_faithfulness.csv"
+)
 
 
 def scorers(presences: list[float], pairs: list[int], loo: bool) -> dict[str, tuple[str, dict]]:

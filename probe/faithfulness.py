@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
@@ -46,6 +46,23 @@ class AnswerScores(NamedTuple):
 
     logprob: torch.Tensor
     correct: torch.Tensor
+
+
+class Ablations(NamedTuple):
+    """Masked passes already run on one sample: ``removed`` BoolTensor[masks, sources] (True =
+    removed) and the gold answer under each, ``scores`` (:func:`answer_scores`)."""
+
+    removed: torch.Tensor
+    scores: AnswerScores
+
+    @classmethod
+    def of(cls, detection) -> Ablations | None:
+        """The passes an ablation detection ran (``details["ablated"]``, e.g. ``leave_one_out``'s),
+        ``None`` for a detection without them."""
+        details = detection.details
+        if "ablated" not in details:
+            return None
+        return cls(details["ablated"], AnswerScores(details["ablated_logprob"], details["ablated_correct"]))
 
 
 def source_scores(
@@ -231,6 +248,29 @@ def lds(scores: torch.Tensor, kept: torch.Tensor, actual: torch.Tensor) -> float
     return float(spearmanr(predicted.numpy(), actual.double().numpy()).statistic)
 
 
+def _known_or_run(
+    removed: torch.Tensor, known: Sequence[Ablations], run: Callable[[torch.Tensor], AnswerScores]
+) -> AnswerScores:
+    """The answer scores of each mask of ``removed`` (BoolTensor[masks, sources]): from ``known`` where
+    it holds the mask, else from ``run`` over the rest."""
+    found = {}
+    for ablations in known:
+        if ablations.removed.shape[1:] != removed.shape[1:]:
+            raise ValueError(
+                f"known ablations are over {ablations.removed.shape[1]} sources, this sample has "
+                f"{removed.shape[1]}: pass only passes run on this sample"
+            )
+        for mask, logprob, correct in zip(ablations.removed, *ablations.scores, strict=True):
+            found[tuple(mask.tolist())] = (logprob, correct)
+    keys = [tuple(mask.tolist()) for mask in removed]
+    todo = [i for i, key in enumerate(keys) if key not in found]
+    if todo:
+        ran = run(removed[todo])
+        found |= {keys[i]: pair for i, pair in zip(todo, zip(*ran, strict=True), strict=True)}
+    logprob, correct = zip(*(found[key] for key in keys), strict=True)
+    return AnswerScores(torch.stack(logprob).float(), torch.stack(correct))
+
+
 def ground_truth_scores(sample: Sample) -> torch.Tensor:
     """Tensor[sources]: 1 for supporting sources, 0 otherwise (the planted facts as a detector)."""
     return torch.tensor([float(source.category == "supporting") for source in sample.sources])
@@ -248,13 +288,16 @@ def evaluate(
     batch_size: int = 1,
     compact: bool | None = None,
     target: Target | None = None,
+    known: Sequence[Ablations] = (),
 ) -> pd.DataFrame:
     """Faithfulness of several source scorings of one sample, one row per scorer.
 
     ``scores``: name → Tensor[sources] (see :func:`source_scores`). Every scorer is judged on the
     same ablations: removing / keeping its top-k sources for k in ``ks`` and ``n_masks`` random
     masks (each source kept with probability ``keep``, seeded) for LDS. Identical masks run once, as
-    :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``, ``target``).
+    :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``, ``target``); masks
+    in ``known`` (passes already run with the same model, ablation and target, e.g. a ``leave_one_out``
+    detection's ``details["ablations"]``) are not run again.
     Columns: ``scorer``, ``full_logprob``, ``full_correct``, ``comprehensiveness_k{k}``,
     ``sufficiency_k{k}``, ``correct_removed_k{k}``, ``correct_kept_k{k}``, ``aopc_comprehensiveness``,
     ``aopc_sufficiency``, ``lds``, ``n_sources``.
@@ -286,7 +329,9 @@ def evaluate(
         masks[f"{name}/kept"] = ~top
     unique, where = torch.cat(list(masks.values())).unique(dim=0, return_inverse=True)
     compact = compaction_supported(model) if compact is None else compact
-    results = answer_scores(model, sample, unique, reuse_prefix, batch_size, compact, target)
+    results = _known_or_run(unique, known, lambda todo: answer_scores(
+        model, sample, todo, reuse_prefix, batch_size, compact, target
+    ))  # fmt: skip
     bounds = np.cumsum([0] + [len(m) for m in masks.values()])
     lookup = {
         key: AnswerScores(results.logprob[where[a:b]], results.correct[where[a:b]])

@@ -5,18 +5,18 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from analyses import comparison, detector_compare
 from probe import detectors, faithfulness, tasks
 
-KS = faithfulness.KS
+KS = detector_compare.parse_args([]).ks  # the main job's
 
 
 @pytest.fixture(scope="module")
-def names(tiny_model_folder):
-    """The default detectors for the tiny model: no bundled head weights fit it, so no at2."""
-    return comparison.default_detectors(AutoModelForCausalLM.from_pretrained(tiny_model_folder))
+def names():
+    """The main job's detectors."""
+    return comparison.DEFAULT_DETECTORS
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +43,35 @@ def test_detector_compare_writes_every_figure_and_csv(run, names):
     assert (metrics.seconds > 0).all() or set(metrics.detector[metrics.seconds == 0]) <= {"recency"}
     passes = metrics.groupby("detector").passes.first()
     assert passes["attention"] == passes["key_removal_grad"] == passes["key_removal_banzhaf"] == 1
-    assert passes["leave_one_out"] > 2 and passes["lexical_overlap"] == 0
+    assert passes["leave_one_out"] == 1 + min(8, faithful_sources(out, tag))  # pruned to the top 8
     assert not list(out.glob(".*tmp*"))  # no half-written files left behind
 
 
-def test_the_default_set_holds_the_one_pass_detectors_and_the_exact_reference(names):
-    assert "at2" not in names  # no head weights fit the tiny model
-    assert {"attention", "information_flow", "key_removal_grad", "grad_times_input", "leave_one_out"} <= set(
-        names
-    )
-    assert set(comparison.DEFAULT_DETECTORS) - set(names) == {"at2"}
+def faithful_sources(out: Path, tag: str) -> int:
+    """The fewest sources of the run's samples."""
+    return int(pd.read_csv(out / f"detector_{tag}_faithfulness.csv").n_sources.min())
+
+
+def test_the_main_job_judges_cdts_detectors_the_key_removal_gradients_and_leave_one_out(names):
+    assert set(names) == {
+        "attention",
+        "information_flow",
+        "embedding_grad",
+        "key_removal_grad",
+        "key_removal_banzhaf",
+        "leave_one_out",
+    }
+    assert detector_compare.study_folder(detector_compare.parse_args([])) == Path("figures")
+    args = detector_compare.parse_args([])
+    assert (args.ks, args.masks, args.loo_top_m) == ([1, 4], 16, 8)  # the studies' protocol at 4K and 8K
+    assert detector_compare.parse_args(["--loo-top-m", "all"]).loo_top_m is None
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "some"])
+def test_a_bad_leave_one_out_budget_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        detector_compare.parse_args(["--loo-top-m", value])
+    assert "positive number of sources or 'all'" in capsys.readouterr().err
 
 
 def test_intervals_give_each_scorer_and_its_differences_from_the_baselines(run):
@@ -146,7 +165,7 @@ def test_other_settings_write_to_a_study_folder_of_their_own():
         detector_compare.parse_args(["--model", "gemma3-270m", "--length", "4096"])
     ) == Path("figures")
     study = detector_compare.study_folder(detector_compare.parse_args(["--samples", "3"]))
-    other = detector_compare.study_folder(detector_compare.parse_args(["--samples", "3", "--ks", "1", "4"]))
+    other = detector_compare.study_folder(detector_compare.parse_args(["--samples", "3", "--ks", "1", "2"]))
     assert study.parent == other.parent == Path("figures/studies") and study != other
 
 
@@ -162,11 +181,11 @@ def test_a_resume_after_the_default_detectors_changed_is_refused(tiny_model_fold
             raise KeyboardInterrupt
         return compare(model, tokenizer, samples, *args, **kwargs)
 
-    monkeypatch.setattr(comparison, "DEFAULT_DETECTORS", ["attention", "recency"])
+    monkeypatch.setattr(detector_compare, "DEFAULT_DETECTORS", ["attention", "recency"])
     monkeypatch.setattr(detector_compare, "compare_samples", killed_in_the_second_task)
     with pytest.raises(KeyboardInterrupt):
         detector_compare.main(argv)
     monkeypatch.setattr(detector_compare, "compare_samples", compare)
-    monkeypatch.setattr(comparison, "DEFAULT_DETECTORS", ["attention", "recency", "lexical_overlap"])
+    monkeypatch.setattr(detector_compare, "DEFAULT_DETECTORS", ["attention", "recency", "lexical_overlap"])
     with pytest.raises(SystemExit, match=r"detectors: \['attention', 'recency'\] then"):
         detector_compare.main([*argv, "--resume"])

@@ -197,6 +197,31 @@ def test_pruned_leave_one_out_reuses_the_ranking_a_shared_call_made(model, sampl
         probe.detect("leave_one_out", model, None, sample, top_m=3, ranking=torch.zeros(2))
 
 
+def test_evaluate_takes_the_masks_leave_one_out_ran_instead_of_running_them_again(model, sample, monkeypatch):
+    """Masks in ``known`` (a leave-one-out's own passes) give the same evaluation as running them,
+    and only the other masks run."""
+    exact = probe.detect("leave_one_out", model, None, sample, top_m=3, rank_by="attention")
+    scores = {"loo": exact.source_scores(), "truth": faithfulness.ground_truth_scores(sample)}
+    ran = []
+    real = faithfulness.answer_scores
+    monkeypatch.setattr(
+        faithfulness, "answer_scores", lambda m, s, mask, *a: ran.append(mask) or real(m, s, mask, *a)
+    )
+    plain = faithfulness.evaluate(model, sample, scores, ks=[1, 2], n_masks=4)
+    known = faithfulness.Ablations.of(exact)
+    reused = faithfulness.evaluate(model, sample, scores, ks=[1, 2], n_masks=4, known=[known])
+    numbers = plain.select_dtypes("number").columns
+    assert (reused[numbers] - plain[numbers]).abs().max().max() <= ATOL
+    everything, rest = ran
+    in_known = (everything[:, None] == known.removed[None]).all(-1).any(1)
+    assert in_known.sum() >= 2  # the full context and the removal of loo's top source
+    assert torch.equal(rest, everything[~in_known])  # only the others ran
+    assert faithfulness.Ablations.of(probe.detect("attention", model, None, sample)) is None
+    with pytest.raises(ValueError, match="sources"):
+        wrong = faithfulness.Ablations(known.removed[:, :-1], known.scores)
+        faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=4, known=[wrong])
+
+
 def test_nan_scores_empty_ks_and_too_few_masks_are_refused(model, sample):
     n_sources = len(sample.sources)
     nan = torch.zeros(n_sources)

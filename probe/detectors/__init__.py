@@ -46,7 +46,15 @@ from probe.detectors.one_pass import (
 )
 from probe.detectors.baselines import lexical_overlap, long_short_difference, random_scores, recency
 from probe.detectors.ablation import context_cite, leave_one_out
-from probe.detectors.run import PASS_OPTIONS, SHARED_PASS, attribute, detect, detect_many, from_attribution
+from probe.detectors.run import (
+    PASS_OPTIONS,
+    SHARED_PASS,
+    attribute,
+    detect,
+    detect_many,
+    from_attribution,
+    ranking_at_hand,
+)
 # isort: on
 
 __all__ = [
@@ -76,6 +84,7 @@ __all__ = [
     "names",
     "options",
     "random_scores",
+    "ranking_at_hand",
     "recency",
     "register",
     "spread_over_tokens",

@@ -11,7 +11,7 @@ import torch
 
 from probe.detectors.registry import Detection, options, register, spread_over_tokens
 from probe.detectors.run import detect
-from probe.faithfulness import answer_scores, lds, random_masks
+from probe.faithfulness import AnswerScores, answer_scores, lds, random_masks
 from probe.target import Target
 from probe.tasks import Sample
 
@@ -45,8 +45,11 @@ def leave_one_out(
       a source of an unrefined block scores its block's drop shared equally.
 
     ``details``: ``source_scores`` Tensor[sources], ``measured`` BoolTensor[sources] (the source's own
-    removal was run), ``passes`` (masked passes, the full pass included), ``full_logprob``. Each token
-    carries its source's score. Flags the sources whose removal lowers the log-probability.
+    removal was run), ``passes`` (masked passes, the full pass included), ``full_logprob``, and
+    every pass's mask and answer scores: ``ablated`` BoolTensor[passes, sources], ``ablated_logprob``,
+    ``ablated_correct`` (:meth:`probe.faithfulness.Ablations.of` reads them, so that
+    :func:`~probe.faithfulness.evaluate` need not run those masks again). Each token carries its
+    source's score. Flags the sources whose removal lowers the log-probability.
     """
     n_sources = len(sample.sources)
     if top_m is not None and block > 1:
@@ -71,37 +74,33 @@ def leave_one_out(
             )
         cheap = ranking.float().cpu()
         chosen = torch.argsort(-cheap, stable=True)[: min(top_m, n_sources)]
-        logprob = answer_scores(
-            model, sample, torch.cat([none, _single(chosen, n_sources)]), reuse_prefix, target=target
-        ).logprob
-        drops = logprob[0] - logprob[1:]
+        removed = torch.cat([none, _single(chosen, n_sources)])
+        ran = answer_scores(model, sample, removed, reuse_prefix, target=target)
+        drops = ran.logprob[0] - ran.logprob[1:]
         scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
         effect = cheap * scale
         effect[chosen] = drops
-        measured, passes = torch.zeros(n_sources, dtype=torch.bool), len(logprob)
+        measured = torch.zeros(n_sources, dtype=torch.bool)
         measured[chosen] = True
     elif block > 1:
         starts = torch.arange(0, n_sources, block)
         blocks = torch.zeros(len(starts), n_sources, dtype=torch.bool)
         for row, first in enumerate(starts.tolist()):
             blocks[row, first : first + block] = True
-        coarse = answer_scores(model, sample, torch.cat([none, blocks]), reuse_prefix, target=target).logprob
-        block_drops = coarse[0] - coarse[1:]
+        coarse = answer_scores(model, sample, torch.cat([none, blocks]), reuse_prefix, target=target)
+        block_drops = coarse.logprob[0] - coarse.logprob[1:]
         refined = torch.argsort(-block_drops, stable=True)[:refine]
         chosen = blocks[refined].any(0).nonzero()[:, 0]
-        fine = answer_scores(model, sample, _single(chosen, n_sources), reuse_prefix, target=target).logprob
+        fine = answer_scores(model, sample, _single(chosen, n_sources), reuse_prefix, target=target)
         effect = (blocks.float() * (block_drops / blocks.sum(1))[:, None]).sum(0)
-        effect[chosen] = coarse[0] - fine
-        measured, passes = blocks[refined].any(0), len(coarse) + len(fine)
-        logprob = coarse
+        effect[chosen] = coarse.logprob[0] - fine.logprob
+        measured = blocks[refined].any(0)
+        removed = torch.cat([none, blocks, _single(chosen, n_sources)])
+        ran = AnswerScores(*(torch.cat(pair) for pair in zip(coarse, fine, strict=True)))
     else:
-        everyone = torch.cat([none, _single(torch.arange(n_sources), n_sources)])
-        logprob = answer_scores(model, sample, everyone, reuse_prefix, target=target).logprob
-        effect, measured, passes = (
-            logprob[0] - logprob[1:],
-            torch.ones(n_sources, dtype=torch.bool),
-            len(logprob),
-        )
+        removed = torch.cat([none, _single(torch.arange(n_sources), n_sources)])
+        ran = answer_scores(model, sample, removed, reuse_prefix, target=target)
+        effect, measured = ran.logprob[0] - ran.logprob[1:], torch.ones(n_sources, dtype=torch.bool)
     scores = spread_over_tokens(effect, sample)
     return Detection(
         scores=scores,
@@ -110,8 +109,11 @@ def leave_one_out(
         details={
             "source_scores": effect,
             "measured": measured,
-            "passes": passes,
-            "full_logprob": float(logprob[0]),
+            "passes": len(removed),
+            "full_logprob": float(ran.logprob[0]),
+            "ablated": removed,
+            "ablated_logprob": ran.logprob,
+            "ablated_correct": ran.correct,
         },
     )
 

@@ -168,13 +168,13 @@ def detect_many(
                 detection = _with_target(detection, target if name in explaining else None)
                 detections[name] = _on_cpu(dataclasses.replace(detection, name=name, sample=one))
             else:
-                reused = _reused_ranking(name, options, detections, one)
+                reused = ranking_at_hand(name, options, detections, one)
                 detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}), **reused)
         found.append(detections)
     return found[0] if single else found
 
 
-def _reused_ranking(
+def ranking_at_hand(
     name: str, options: Mapping[str, Mapping[str, Any]], made: Mapping[str, Detection], sample: Sample
 ) -> dict[str, torch.Tensor]:
     """``{"ranking": …}`` for a pruned ``leave_one_out`` whose ``rank_by`` detection this call has
