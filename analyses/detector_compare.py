@@ -38,9 +38,9 @@ The default, the main job, judges CDT's detectors (``attention``, ``information_
 16 random masks for LDS; leave-one-out exact on the 8 sources ``key_removal_grad`` ranks highest and its
 scaled estimate elsewhere (``--loo-top-m all``: exhaustive, one pass per source). Every row says what
 the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass per distinct mask
-(compacted: only the kept tokens run), about 50 a sample. Other settings than the defaults write to a
-folder of their own under ``figures/studies``, so that ``figures/`` holds exactly what the default
-writes.
+(compacted: only the kept tokens run), at most 49 a sample with the default's eight scorers; the
+masks leave-one-out ran are not run again. Other settings than the defaults write to a folder of
+their own under ``figures/studies``, so that ``figures/`` holds exactly what the default writes.
 
     python -m analyses.detector_compare                               # the main job, SmolLM2, ~1K tokens
     python -m analyses.detector_compare --samples 4 --detectors attention information_flow
