@@ -17,7 +17,8 @@ main job (32; ``--masks``: as many as the ``--reference`` study used):
   ``--reference`` CSV (a ``detector_compare`` faithfulness CSV of the same samples and masks).
 
 The defaults are the main job's samples (SmolLM2-135M, multihop-1 and multihop-2 at 1K tokens, seeds
-0–11, 32 masks of seed 0), whose committed faithfulness CSV holds leave-one-out's LDS.
+0–11, 32 masks of seed 0), whose full 1K study's faithfulness CSV holds exhaustive leave-one-out's
+LDS.
 
     python bench/key_removal_banzhaf.py --csv out.csv
     python bench/key_removal_banzhaf.py --presences 1 --pairs 1 2 \
