@@ -147,7 +147,14 @@ def answer_scores(
     removed tokens, key-masked): faster on a GPU; on a CPU batch 1 is as fast.
     """
     sources = sample.sources
-    removed = torch.as_tensor(removed, dtype=torch.bool)
+    given = torch.as_tensor(removed)
+    if given.dtype != torch.bool and not ((given == 0) | (given == 1)).all():
+        raise ValueError(
+            "removed must be a BoolTensor[masks, sources] (True = removed), got values other than 0 and 1 "
+            "(source indices?): build it with torch.zeros(masks, len(sample.sources), dtype=torch.bool) "
+            "and set the removed sources True"
+        )
+    removed = given.bool()
     if removed.ndim != 2 or removed.shape[1] != len(sources):
         raise ValueError(
             f"removed must be a BoolTensor[masks, {len(sources)}] over the sample's sources, "

@@ -142,6 +142,10 @@ def test_evaluate_reports_the_drops_of_its_own_masks(model, sample):
 def test_bad_masks_are_refused(model, sample):
     with pytest.raises(ValueError, match="sources"):
         faithfulness.answer_scores(model, sample, torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="source indices"):  # indices, not a mask: refused, not cast
+        faithfulness.answer_scores(model, sample, torch.tensor([[0, 3, 5]]))
+    ones = torch.zeros(1, len(sample.sources), dtype=torch.long)  # a 0/1 mask of another dtype is one
+    assert faithfulness.answer_scores(model, sample, ones).logprob.shape == (1,)
     with pytest.raises(ValueError, match="one value per source"):
         faithfulness.evaluate(model, sample, {"bad": torch.zeros(3)})
 
