@@ -11,11 +11,18 @@ tokens), and 4 single sources removed (leave-one-out passes) — 17 masks:
 - ``compaction``: prefix reuse, and each pass runs only the kept tokens at their original positions;
 - ``compaction_batch4``: the same, four masks per forward.
 
-The ``evaluate_*`` methods time one whole faithfulness evaluation of the sample
-(:func:`probe.faithfulness.evaluate`: top-k removed and kept for k = 1, 2, 4, 8 and 32 random masks)
-of the scorers of the main job's earlier quick default (8 detectors and 2 references), with key
-masking and prefix reuse (``evaluate_prefix``, the earlier default) and with compaction
-(``evaluate_compaction``); their ratios are against ``evaluate_prefix``.
+The ``faithfulness_*`` methods time all the ablation it takes to judge the main job's detectors on a
+sample (leave-one-out and :func:`probe.faithfulness.evaluate` of its six detectors and two
+references, whose scores are computed first, untimed), on ``--loo-samples`` samples (multihop-1 and
+multihop-2 in turn, seeds 0, 1, ...):
+
+- ``faithfulness_before``: the protocol and ablation of before compaction — exhaustive leave-one-out
+  and top-k removed and kept for k = 1, 2, 4, 8 and 32 random masks, key masking after the reused
+  prefix; the ratio's baseline;
+- ``faithfulness_compaction``: the same masks, compacted;
+- ``faithfulness_main_job``: the main job's protocol — leave-one-out exact on ``key_removal_grad``'s
+  top 8 (its ranking at hand), k = 1, 4 and 16 random masks, compacted, leave-one-out's passes not
+  run again.
 
 ``logprob_sum`` is a checksum: equal (to fp32 rounding) across the mask methods.
 
@@ -58,22 +65,12 @@ LOO_METHODS = {
     "loo_pruned": dict(top_m=8, rank_by="key_removal_grad"),
     "loo_hierarchical": dict(block=4, refine=3),
 }
-EVALUATE_METHODS = {
-    "evaluate_prefix": dict(compact=False),
-    "evaluate_compaction": dict(compact=True),
+FAITHFULNESS_METHODS = {
+    "faithfulness_before": dict(top_m=None, ks=(1, 2, 4, 8), n_masks=32, compact=False),
+    "faithfulness_compaction": dict(top_m=None, ks=(1, 2, 4, 8), n_masks=32, compact=True),
+    "faithfulness_main_job": dict(top_m=8, ks=(1, 4), n_masks=16, compact=True),
 }
-#: The scorers of the main job's earlier quick default, for a like-for-like faithfulness evaluation.
-EVALUATED = (
-    "attention",
-    "fr",
-    "embedding_grad",
-    "information_flow",
-    "lsd",
-    "random",
-    "recency",
-    "lexical_overlap",
-)
-METHODS = (*MASK_METHODS, *LOO_METHODS, *EVALUATE_METHODS)
+METHODS = (*MASK_METHODS, *LOO_METHODS, *FAITHFULNESS_METHODS)
 
 
 def bench_masks(sample):
@@ -89,18 +86,38 @@ def bench_masks(sample):
     return torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), random, top, ~top, single])
 
 
-def distinct_masks(sample, scorers) -> int:
-    """The number of distinct masks (passes) :func:`probe.faithfulness.evaluate` runs for ``scorers``."""
+def judge_sample(model, tokenizer, sample, top_m: int | None, ks, n_masks: int, compact: bool) -> tuple:
+    """(seconds, passes, LDS sum) of the ablation that judges the main job's detectors on ``sample``:
+    leave-one-out (exhaustive, or exact on ``key_removal_grad``'s top ``top_m``), then the faithfulness
+    evaluation of every scorer, ``compact`` or key masking after the reused prefix."""
+    from unittest import mock
+
     import torch
 
-    from probe import faithfulness
+    import probe
+    from analyses.comparison import DEFAULT_DETECTORS, source_scorers
+    from probe import detectors, faithfulness
 
+    one_pass = [name for name in DEFAULT_DETECTORS if name != "leave_one_out"]
+    found = detectors.detect_many(one_pass, model, tokenizer, sample, {"key_removal_banzhaf": {"seed": 1}})
+    scorers = source_scorers(found, sample)
     n_sources = len(sample.sources)
-    masks = [torch.zeros(1, n_sources, dtype=torch.bool), ~faithfulness.random_masks(n_sources, 32)]
-    for scores in scorers.values():
-        top = faithfulness.top_k_masks(scores, faithfulness.KS)
-        masks += [top, ~top]
-    return len(torch.cat(masks).unique(dim=0))
+    start = time.perf_counter()
+    if top_m is None:  # exhaustive: the full context, then each source removed, by the chosen ablation
+        removed = torch.eye(n_sources + 1, n_sources, dtype=torch.bool).roll(1, 0)  # row 0: none removed
+        ran = faithfulness.answer_scores(model, sample, removed, compact=compact)
+        known = faithfulness.Ablations(removed, ran)
+        scorers["leave_one_out"] = known.scores.logprob[0] - known.scores.logprob[1:]
+    else:
+        ranking = found["key_removal_grad"].source_scores(sample)
+        exact = probe.detect("leave_one_out", model, tokenizer, sample, top_m=top_m, ranking=ranking)
+        known, scorers["leave_one_out"] = faithfulness.Ablations.of(exact), exact.source_scores(sample)
+    with mock.patch.object(faithfulness, "answer_scores", wraps=faithfulness.answer_scores) as calls:
+        frame = faithfulness.evaluate(
+            model, sample, scorers, ks=ks, n_masks=n_masks, compact=compact, known=[known]
+        )
+    passes = len(known.removed) + sum(len(call.args[2]) for call in calls.call_args_list)
+    return time.perf_counter() - start, passes, float(frame.lds.sum())
 
 
 def exhaustive_scores(model, tokenizer, sample, found, method: str, path: Path):
@@ -139,25 +156,15 @@ def _run_child(
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name, device, dtype)
     sample = tasks.make("multihop-2", tokenizer, length, seed=0)
-    if method in EVALUATE_METHODS:
-        from analyses.comparison import source_scorers
-        from probe import detectors
-
-        options = {"lsd": {"K": length // 4, "d": length // 8}}
-        scorers = source_scorers(detectors.detect_many(EVALUATED, model, tokenizer, sample, options), sample)
-
-        def evaluate():
-            return faithfulness.evaluate(model, sample, scorers, **EVALUATE_METHODS[method])
-
-        stats, frame = measure(
-            evaluate, lambda: faithfulness.answer_scores(model, sample, bench_masks(sample)[:2]), device
-        )
-        return {
-            **stats,
-            "samples": 1,
-            "passes": distinct_masks(sample, scorers),
-            "logprob_sum": float(frame.lds.sum()),
-        }
+    if method in FAITHFULNESS_METHODS:
+        faithfulness.answer_scores(model, sample, bench_masks(sample)[:2])  # warm up
+        rows = []
+        for index in range(loo_samples):
+            task, seed = ("multihop-1", "multihop-2")[index % 2], index // 2
+            one = tasks.make(task, tokenizer, length, seed=seed)
+            rows.append(judge_sample(model, tokenizer, one, **FAITHFULNESS_METHODS[method]))
+        seconds, passes, lds = (sum(column) for column in zip(*rows, strict=True))
+        return {"seconds": seconds, "passes": passes, "logprob_sum": lds, "samples": loo_samples}
     if method in MASK_METHODS:
         removed = bench_masks(sample)
 
@@ -231,7 +238,8 @@ def _main(args: argparse.Namespace, exhaustive_dir: Path) -> pd.DataFrame:
 #: Each ratio column and the method it divides by, per family of methods (same model and length).
 RATIOS = {
     "time_vs_key_masking": {"mask": "key_masking"},
-    "time_vs_prefix": {"mask": "prefix", "evaluate": "evaluate_prefix"},
+    "time_vs_prefix": {"mask": "prefix"},
+    "time_vs_before": {"faithfulness": "faithfulness_before"},
     "time_vs_exhaustive": {"loo": "loo_exhaustive"},
 }
 
@@ -243,7 +251,7 @@ def add_ratios(table: pd.DataFrame) -> pd.DataFrame:
         seconds_per_sample=table.seconds / table.samples, passes_per_second=table.passes / table.seconds
     )
     family = table.method.map(
-        lambda m: "evaluate" if m.startswith("evaluate") else "loo" if m.startswith("loo") else "mask"
+        lambda m: "faithfulness" if m.startswith("faithfulness") else "loo" if m.startswith("loo") else "mask"
     )
     reference = table.set_index(["model", "length", "method"]).seconds_per_sample
     for column, baselines in RATIOS.items():
