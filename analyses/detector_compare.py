@@ -30,7 +30,7 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
   faithfulness ranks (mean AOPC of comprehensiveness, mean LDS), correct / wrong / all answers;
 - ``detector_{tag}_intervals``: each scorer's mean AOPC (comprehensiveness, sufficiency) and LDS
   with 95 % bootstrap intervals over samples, and its paired difference from ``attention`` and from
-  ``leave_one_out`` (the exact ablation), with intervals.
+  ``leave_one_out`` (the ablation reference, pruned by default), with intervals.
 
 The default, the main job, judges CDT's detectors (``attention``, ``information_flow``,
 ``embedding_grad``), the key-removal gradients (``key_removal_grad``, ``key_removal_banzhaf``) and

@@ -24,7 +24,9 @@ multihop-2 in turn, seeds 0, 1, ...):
   top 8 (its ranking at hand), k = 1, 4 and 16 random masks, compacted, leave-one-out's passes not
   run again.
 
-``logprob_sum`` is a checksum: equal (to fp32 rounding) across the mask methods.
+``logprob_sum`` is a checksum: equal (to fp32 rounding) across the mask methods; on the
+``faithfulness_*`` rows it is the sum of every scorer's LDS, equal between ``before`` and
+``compaction``.
 
 The leave-one-out methods (``loo_*``, :func:`probe.detectors.leave_one_out`, compaction on) run on
 ``--loo-samples`` samples (multihop-2, seeds 0, 1, ...) and report passes and seconds per sample and,
@@ -164,7 +166,8 @@ def _run_child(
             one = tasks.make(task, tokenizer, length, seed=seed)
             rows.append(judge_sample(model, tokenizer, one, **FAITHFULNESS_METHODS[method]))
         seconds, passes, lds = (sum(column) for column in zip(*rows, strict=True))
-        return {"seconds": seconds, "passes": passes, "logprob_sum": lds, "samples": loo_samples}
+        totals = {"seconds": seconds, "passes": passes, "logprob_sum": lds, "samples": loo_samples}
+        return {**totals, "peak_mib": float("nan")}
     if method in MASK_METHODS:
         removed = bench_masks(sample)
 
