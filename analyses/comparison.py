@@ -21,7 +21,7 @@ from probe import answer, detectors, faithfulness, metrics, tasks
 
 # one forward+backward a sample
 ONE_PASS = (*detectors.SHARED_PASS, "key_removal_grad", "key_removal_banzhaf", "attn_lrp")
-# the main job's: CDT's baselines, the key-removal gradients and the exact reference (leave_one_out pruned
+# the main job's: CDT's baselines, the key-removal gradients and the ablation reference (leave_one_out, pruned
 # on key_removal_grad's ranking); the full 1K study in RESULTS.md judges every detector
 DEFAULT_DETECTORS = [
     "attention",
