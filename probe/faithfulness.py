@@ -21,6 +21,7 @@ token (exact; tested against uncached passes).
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -304,7 +305,7 @@ def evaluate(
     masks (each source kept with probability ``keep``, seeded) for LDS. Identical masks run once, as
     :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``, ``target``); masks
     in ``known`` (passes already run with the same model, ablation and target, e.g. a ``leave_one_out``
-    detection's ``details["ablations"]``) are not run again.
+    detection's, :meth:`Ablations.of`) are not run again.
     Columns: ``scorer``, ``full_logprob``, ``full_correct``, ``comprehensiveness_k{k}``,
     ``sufficiency_k{k}``, ``correct_removed_k{k}``, ``correct_kept_k{k}``, ``aopc_comprehensiveness``,
     ``aopc_sufficiency``, ``lds``, ``n_sources``.
@@ -336,9 +337,16 @@ def evaluate(
         masks[f"{name}/kept"] = ~top
     unique, where = torch.cat(list(masks.values())).unique(dim=0, return_inverse=True)
     compact = compaction_supported(model) if compact is None else compact
-    results = _known_or_run(unique, known, lambda todo: answer_scores(
-        model, sample, todo, reuse_prefix, batch_size, compact, target
-    ))  # fmt: skip
+    run = functools.partial(
+        answer_scores,
+        model,
+        sample,
+        reuse_prefix=reuse_prefix,
+        batch_size=batch_size,
+        compact=compact,
+        target=target,
+    )
+    results = _known_or_run(unique, known, run)
     bounds = np.cumsum([0] + [len(m) for m in masks.values()])
     lookup = {
         key: AnswerScores(results.logprob[where[a:b]], results.correct[where[a:b]])

@@ -209,7 +209,7 @@ def test_evaluate_takes_the_masks_leave_one_out_ran_instead_of_running_them_agai
     ran = []
     real = faithfulness.answer_scores
     monkeypatch.setattr(
-        faithfulness, "answer_scores", lambda m, s, mask, *a: ran.append(mask) or real(m, s, mask, *a)
+        faithfulness, "answer_scores", lambda m, s, mask, **kw: ran.append(mask) or real(m, s, mask, **kw)
     )
     plain = faithfulness.evaluate(model, sample, scores, ks=[1, 2], n_masks=4)
     known = faithfulness.Ablations.of(exact)
