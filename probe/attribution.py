@@ -357,8 +357,13 @@ def embedding_grad_norms(
     one per sequence for several (see :func:`embedding_grads`)."""
     grads = embedding_grads(model, input_ids, target_positions, None, checkpoint, attention_mask, target)
     if isinstance(grads, torch.Tensor):
-        return grads.norm(p=p, dim=-1)
-    return [grad.norm(p=p, dim=-1) for grad in grads]
+        return _norms(grads, p)
+    return [_norms(grad, p) for grad in grads]
+
+
+def _norms(grads: torch.Tensor, p: float) -> torch.Tensor:
+    """‖grads‖_p over the last dimension, in at least float32 (a bf16 model's gradients too)."""
+    return grads.to(torch.promote_types(grads.dtype, torch.float32)).norm(p=p, dim=-1)
 
 
 @dataclass(frozen=True)
@@ -396,7 +401,7 @@ class AnswerAttribution:
 
     def embedding_grad_norms(self, p: float = 2) -> torch.Tensor:
         """:func:`embedding_grad_norms` from the captured gradient: Tensor[seq]."""
-        return self.embedding_grad.norm(p=p, dim=-1)
+        return _norms(self.embedding_grad, p)
 
     def grad_times_input(self) -> torch.Tensor:
         """e_i · ∂ log P(answer)/∂e_i (gradient × input; Shrikumar et al. 2016, Denil et al. 2014):

@@ -1,6 +1,7 @@
 """Detectors and metrics: shapes, agreement with the eager references, flag rules, planted signals."""
 
 import ast
+import copy
 import math
 from pathlib import Path
 
@@ -101,6 +102,24 @@ def test_detector_output_shape_and_settings(story, tokenizer, name):
     assert detection.flagged.dtype == torch.bool
     assert not detection.flagged[sample.prompt_length :].any()  # only context tokens are flagged
     assert detection.name == name and isinstance(detection.settings, dict)
+
+
+def test_a_bfloat16_model_gives_float32_detections_that_save_and_show(story, tokenizer, tmp_path):
+    """A half-precision model's detections are data like any other: float32 scores (numpy, pandas and
+    the views read them), their views written, their frames built, alone and from the shared pass."""
+    model, sample = story
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    names = ["attention", "information_flow", "embedding_grad", "key_removal_grad", "leave_one_out"]
+    options = {"leave_one_out": {"top_m": 2}}
+    found = list(detectors.detect_many(names, half, tokenizer, sample, options).values())
+    found.append(probe.detect("attention", half, tokenizer, sample))
+    for detection in found:
+        assert detection.scores.dtype == torch.float32, detection.name
+        tensors = [value for value in detection.details.values() if torch.is_tensor(value)]
+        assert all(value.dtype != torch.bfloat16 for value in tensors), detection.name
+        detection.save_html(tmp_path / "view.html")
+        assert (tmp_path / "view.html").stat().st_size > 0
+        assert len(detection.to_frame()) == len(sample.input_ids)
 
 
 def test_top_k_detectors_flag_exactly_k_context_tokens(story, tokenizer):

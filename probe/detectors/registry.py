@@ -182,10 +182,16 @@ def _with_target(detection: Detection, target) -> Detection:
 
 
 def _on_cpu(detection: Detection) -> Detection:
-    """The detection with its tensors on the CPU, detached: results are data, wherever the model ran."""
+    """The detection with its tensors on the CPU, detached, half-precision floats as float32: results
+    are data (numpy, pandas and the views read them), wherever and in whatever dtype the model ran."""
 
     def cpu(value):
-        return value.detach().cpu() if torch.is_tensor(value) else value
+        if not torch.is_tensor(value):
+            return value
+        value = value.detach().cpu()
+        if not value.is_floating_point():
+            return value
+        return value.to(torch.promote_types(value.dtype, torch.float32))
 
     details = {key: cpu(value) for key, value in detection.details.items()}
     return dataclasses.replace(
