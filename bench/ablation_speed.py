@@ -22,7 +22,9 @@ multihop-2 in turn, seeds 0, 1, ...):
 - ``faithfulness_compaction``: the same masks, compacted;
 - ``faithfulness_main_job``: the main job's protocol — leave-one-out exact on ``key_removal_grad``'s
   top 8 (its ranking at hand), k = 1, 4 and 16 random masks, compacted, leave-one-out's passes not
-  run again.
+  run again;
+- ``faithfulness_main_job_bfloat16``: the same with the model in bfloat16 (``--dtype bfloat16`` of
+  the main job; fast only on a CPU with native bf16 matrix products, such as avx512_bf16 or AMX).
 
 ``logprob_sum`` is a checksum: equal (to fp32 rounding) across the mask methods; on the
 ``faithfulness_*`` rows it is the sum of every scorer's LDS, equal between ``before`` and
@@ -71,7 +73,10 @@ FAITHFULNESS_METHODS = {
     "faithfulness_before": dict(top_m=None, ks=(1, 2, 4, 8), n_masks=32, compact=False),
     "faithfulness_compaction": dict(top_m=None, ks=(1, 2, 4, 8), n_masks=32, compact=True),
     "faithfulness_main_job": dict(top_m=8, ks=(1, 4), n_masks=16, compact=True),
+    "faithfulness_main_job_bfloat16": dict(top_m=8, ks=(1, 4), n_masks=16, compact=True),
 }
+#: Methods whose model runs in another dtype than ``--dtype``.
+METHOD_DTYPES = {"faithfulness_main_job_bfloat16": "bfloat16"}
 METHODS = (*MASK_METHODS, *LOO_METHODS, *FAITHFULNESS_METHODS)
 
 
@@ -156,7 +161,7 @@ def _run_child(
     from probe import faithfulness, tasks
 
     torch.set_num_threads(threads)
-    model, tokenizer = load(model_name, device, dtype)
+    model, tokenizer = load(model_name, device, METHOD_DTYPES.get(method, dtype))
     sample = tasks.make("multihop-2", tokenizer, length, seed=0)
     if method in FAITHFULNESS_METHODS:
         faithfulness.answer_scores(model, sample, bench_masks(sample)[:2])  # warm up
