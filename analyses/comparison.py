@@ -8,7 +8,6 @@ plausibility (:func:`probe.metrics.plausibility`) and faithfulness (:func:`judge
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -100,24 +99,10 @@ def compare_samples(
     (``{pages}_{name}.html``).
     """
     rows, layers, faithful = [], [], []
-    options = options or {}
-    shared = [name for name in names if name in detectors.SHARED_PASS]
-    start = time.perf_counter()
-    found_all = (
-        detectors.detect_many(shared, model, tokenizer, samples, options) if shared else [{}] * len(samples)
-    )
-    seconds = [dict.fromkeys(shared, (time.perf_counter() - start) / len(samples)) for _ in samples]
-    for sample, found, cost in zip(samples, found_all, seconds, strict=True):
-        for name in names:
-            if name not in shared:
-                start = time.perf_counter()
-                chosen = {**options.get(name, {}), **detectors.ranking_at_hand(name, options, found, sample)}
-                found[name] = detectors.detect(name, model, tokenizer, sample, **chosen)
-                cost[name] = time.perf_counter() - start
-    found_all = [{name: found[name] for name in names} for found in found_all]
+    found_all = detectors.detect_many(names, model, tokenizer, samples, options)
     for name, detection in found_all[0].items() if pages is not None else ():
         detection.save_html(pages.with_name(f"{pages.name}_{name}.html"))
-    for sample, found, cost in zip(samples, found_all, seconds, strict=True):
+    for sample, found in zip(samples, found_all, strict=True):
         generated = answer(model, tokenizer, sample, max_new_tokens)
         about = {
             "task": sample.task,
@@ -132,7 +117,7 @@ def compare_samples(
                     **about,
                     **metrics.plausibility(detection, sample, top_k),
                     **_diagnostics(detection),
-                    "seconds": cost[name],
+                    "seconds": detection.seconds,
                     "passes": detection.details.get("passes", int(name in ONE_PASS)),
                 }
             )
@@ -141,7 +126,7 @@ def compare_samples(
                     layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
                 )
         judged = judge_faithfulness(model, sample, found, source_reduce, n_masks, seed, batch_size, ks)
-        judged["seconds"] = judged.scorer.map(cost)
+        judged["seconds"] = judged.scorer.map({name: detection.seconds for name, detection in found.items()})
         faithful.append(judged.assign(**about))
     return rows, layers, pd.concat(faithful, ignore_index=True)
 

@@ -3,6 +3,7 @@
 import ast
 import copy
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -230,12 +231,29 @@ def test_detection_round_trips_through_json(story, tokenizer, tmp_path):
     loaded = detectors.Detection.load(tmp_path / "d.json")
     assert loaded.name == "information_flow" and not list(tmp_path.glob(".*tmp*"))  # written atomically
     assert torch.allclose(loaded.scores, detection.scores) and torch.equal(loaded.flagged, detection.flagged)
-    assert loaded.settings == detection.settings
+    assert loaded.settings == detection.settings and loaded.seconds == detection.seconds > 0
     assert torch.allclose(loaded.details["per_layer"], detection.details["per_layer"])
     frame = detection.to_frame(tokenizer, sample)
     assert list(frame.columns[:3]) == ["position", "score", "flagged"] and len(frame) == len(sample.input_ids)
     assert not math.isnan(frame.score.sum())
     assert list(frame.category) == list(sample.categories) and (frame.detector == "information_flow").all()
+
+
+def test_detections_carry_their_cost(story, tokenizer, monkeypatch):
+    """``seconds``: the detector's own wall time; the detections read off one shared pass share its
+    time over the samples; a pruned leave-one-out given ``key_removal_grad``'s ranking does not pay
+    for it again."""
+    model, sample = story
+    clock = iter(range(0, 1000, 10))  # every reading of the clock 10 s after the last
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    alone = probe.detect("key_removal_grad", model, tokenizer, sample)
+    assert alone.seconds == 10
+    names = ["attention", "information_flow", "key_removal_grad", "leave_one_out"]
+    found = detectors.detect_many(names, model, tokenizer, [sample, sample], {"leave_one_out": {"top_m": 2}})
+    for one in found:
+        assert one["attention"].seconds == one["information_flow"].seconds == 5  # 10 over 2 samples
+        assert one["key_removal_grad"].seconds == one["leave_one_out"].seconds == 10
+        assert one["leave_one_out"].details["passes"] == 3  # the full context and the top 2
 
 
 def test_detection_load_reads_files_written_with_the_name_first(tmp_path):

@@ -53,7 +53,6 @@ from probe.detectors.run import (
     detect,
     detect_many,
     from_attribution,
-    ranking_at_hand,
 )
 # isort: on
 
@@ -84,7 +83,6 @@ __all__ = [
     "names",
     "options",
     "random_scores",
-    "ranking_at_hand",
     "recency",
     "register",
     "spread_over_tokens",

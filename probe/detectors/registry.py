@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ class Detection:
     set by the registry (``None`` for a detection built by hand). ``sample``: the sample it was
     found on (set by the registry; not saved), which :meth:`show` draws. ``rows``: what
     :meth:`to_frame` gives a row for by default, ``"token"`` or ``"source"`` (:func:`attribute`).
+    ``seconds``: what it cost, wall time (set by the registry; a detection read off
+    :func:`~probe.detectors.detect_many`'s shared pass gets that pass's time over its samples).
     """
 
     scores: torch.Tensor
@@ -47,6 +50,7 @@ class Detection:
     name: str | None = None
     sample: Sample | None = field(default=None, repr=False, compare=False)
     rows: str = "token"
+    seconds: float | None = field(default=None, compare=False)
 
     def _view(self, sample: Sample | None) -> str:
         sample = sample if sample is not None else self.sample
@@ -123,6 +127,7 @@ class Detection:
         record = {
             "name": self.name,
             "rows": self.rows,
+            "seconds": self.seconds,
             "settings": self.settings,
             "scores": self.scores.tolist(),
             "flagged": self.flagged.tolist(),
@@ -137,6 +142,7 @@ class Detection:
         return cls(
             name=record.get("name"),
             rows=record.get("rows", "token"),
+            seconds=record.get("seconds"),
             scores=torch.tensor(record["scores"]),
             flagged=torch.tensor(record["flagged"], dtype=torch.bool),
             settings=record["settings"],
@@ -164,8 +170,10 @@ def register(name: str) -> Callable[[Detector], Detector]:
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
             check_sample_fits(model, sample, tokenizer)
-            detection = _with_target(fn(model, tokenizer, sample, **options), options.get("target"))
-            return _on_cpu(dataclasses.replace(detection, name=name, sample=sample))
+            start = time.perf_counter()
+            detection = _on_cpu(_with_target(fn(model, tokenizer, sample, **options), options.get("target")))
+            seconds = time.perf_counter() - start
+            return dataclasses.replace(detection, name=name, sample=sample, seconds=seconds)
 
         _REGISTRY[name] = named
         return named

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
@@ -155,10 +156,11 @@ def detect_many(
     if len(chosen) > 1:
         raise ValueError("the detectors of one shared pass explain one target: give each the same target=")
     (target,) = chosen.values() if chosen else (None,)
-    attributions = [None] * len(samples)
+    attributions, start = [None] * len(samples), time.perf_counter()
     if layers:
         ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
         attributions = answer_attribution(model, ids, targets, layers, checkpoint, target=target)
+    seconds = (time.perf_counter() - start) / len(samples)  # the shared pass's, a sample
     found = []
     for one, attribution in zip(samples, attributions, strict=True):
         detections = {}
@@ -166,15 +168,16 @@ def detect_many(
             if attribution is not None and name in shared:
                 detection = _from_attribution(name, attribution, one, shared[name])
                 detection = _with_target(detection, target if name in explaining else None)
-                detections[name] = _on_cpu(dataclasses.replace(detection, name=name, sample=one))
+                detection = dataclasses.replace(detection, name=name, sample=one, seconds=seconds)
+                detections[name] = _on_cpu(detection)
             else:
-                reused = ranking_at_hand(name, options, detections, one)
+                reused = _ranking_at_hand(name, options, detections, one)
                 detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}), **reused)
         found.append(detections)
     return found[0] if single else found
 
 
-def ranking_at_hand(
+def _ranking_at_hand(
     name: str, options: Mapping[str, Mapping[str, Any]], made: Mapping[str, Detection], sample: Sample
 ) -> dict[str, torch.Tensor]:
     """``{"ranking": …}`` for a pruned ``leave_one_out`` whose ``rank_by`` detection this call has
