@@ -41,6 +41,8 @@ the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass 
 (compacted: only the kept tokens run), at most 49 a sample with the default's eight scorers; the
 masks leave-one-out ran are not run again. Other settings than the defaults write to a folder of
 their own under ``figures/studies``, so that ``figures/`` holds exactly what the default writes.
+``--dtype bfloat16`` halves the time on a CPU with native bf16 matrix products (avx512_bf16, AMX) and
+kept the main job's ranking (RESULTS.md, "The main job in bfloat16"); elsewhere it is slower.
 
     python -m analyses.detector_compare                               # the main job, SmolLM2, ~1K tokens
     python -m analyses.detector_compare --samples 4 --detectors attention information_flow
