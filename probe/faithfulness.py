@@ -11,11 +11,13 @@ is measured by ablation, the same masks for every detector:
   over random masks that keep each source with probability 1/2, between the detector's additive
   prediction (the sum of the kept sources' scores) and the actual log-probability.
 
-A source is removed by key masking (:func:`probe.mask_keys`): no query of any layer sees its tokens,
-and every other token keeps its position. The gold answer's log-probability is the sum over its
+A removed source is gone from every layer: no query sees its tokens, and every other token keeps its
+position. A pass runs only the kept tokens at their original positions (compaction, :func:`compacted`;
+equal to key masking, :func:`probe.mask_keys`, which models without ``position_ids`` get instead),
+from the reused KV cache of the unmasked prefix before its first removed token (exact; tested
+against uncached, key-masked passes). The gold answer's log-probability is the sum over its
 teacher-forced tokens, ``Σ_t log P(x_t | x_<t)``; ``correct`` says whether every answer token is the
-greedy choice. Masked passes reuse the KV cache of the unmasked prefix before the first removed
-token (exact; tested against uncached passes).
+greedy choice.
 """
 
 from __future__ import annotations
