@@ -47,6 +47,17 @@ def test_detector_compare_writes_every_figure_and_csv(run, names):
     assert not list(out.glob(".*tmp*"))  # no half-written files left behind
 
 
+def test_detector_compare_runs_in_bfloat16(tiny_model_folder, tmp_path, names):
+    """``--dtype bfloat16`` end to end (it once failed writing the token views of bf16 scores)."""
+    argv = ["--model", str(tiny_model_folder), "--length", "192", "--samples", "1", "--masks", "4"]
+    table = detector_compare.main(
+        [*argv, "--tasks", "multihop-1", "--dtype", "bfloat16", "--out", str(tmp_path)]
+    )
+    assert set(table.detector) == set(names) and table.auroc.between(0, 1).all()
+    faithful = pd.read_csv(tmp_path / f"detector_{tiny_model_folder.name}-192_faithfulness.csv")
+    assert faithful.lds.notna().any() and len(list(tmp_path.glob("*_view_*.html"))) == len(names)
+
+
 def faithful_sources(out: Path, tag: str) -> int:
     """The fewest sources of the run's samples."""
     return int(pd.read_csv(out / f"detector_{tag}_faithfulness.csv").n_sources.min())
