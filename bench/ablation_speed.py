@@ -99,8 +99,6 @@ def judge_sample(model, tokenizer, sample, top_m: int | None, ks, n_masks: int, 
     evaluation of every scorer, ``compact`` or key masking after the reused prefix."""
     from unittest import mock
 
-    import torch
-
     import probe
     from analyses.comparison import DEFAULT_DETECTORS, source_scorers
     from probe import detectors, faithfulness
@@ -108,17 +106,12 @@ def judge_sample(model, tokenizer, sample, top_m: int | None, ks, n_masks: int, 
     one_pass = [name for name in DEFAULT_DETECTORS if name != "leave_one_out"]
     found = detectors.detect_many(one_pass, model, tokenizer, sample, {"key_removal_banzhaf": {"seed": 1}})
     scorers = source_scorers(found, sample)
-    n_sources = len(sample.sources)
+    pruning = (
+        {} if top_m is None else {"top_m": top_m, "ranking": found["key_removal_grad"].source_scores(sample)}
+    )
     start = time.perf_counter()
-    if top_m is None:  # exhaustive: the full context, then each source removed, by the chosen ablation
-        removed = torch.eye(n_sources + 1, n_sources, dtype=torch.bool).roll(1, 0)  # row 0: none removed
-        ran = faithfulness.answer_scores(model, sample, removed, compact=compact)
-        known = faithfulness.Ablations(removed, ran)
-        scorers["leave_one_out"] = known.scores.logprob[0] - known.scores.logprob[1:]
-    else:
-        ranking = found["key_removal_grad"].source_scores(sample)
-        exact = probe.detect("leave_one_out", model, tokenizer, sample, top_m=top_m, ranking=ranking)
-        known, scorers["leave_one_out"] = faithfulness.Ablations.of(exact), exact.source_scores(sample)
+    exact = probe.detect("leave_one_out", model, tokenizer, sample, compact=compact, **pruning)
+    known, scorers["leave_one_out"] = faithfulness.Ablations.of(exact), exact.source_scores(sample)
     with mock.patch.object(faithfulness, "answer_scores", wraps=faithfulness.answer_scores) as calls:
         frame = faithfulness.evaluate(
             model, sample, scorers, ks=ks, n_masks=n_masks, compact=compact, known=[known]

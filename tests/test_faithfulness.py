@@ -69,8 +69,10 @@ def test_answer_scores_match_eager_with_explicit_masks_and_reuse_is_exact(model,
         assert torch.equal(batched.correct, uncached.correct)
 
 
-def test_leave_one_out_equals_hand_computed_differences(model, sample):
-    detection = probe.detect("leave_one_out", model, None, sample)
+@pytest.mark.parametrize("compact", [None, False], ids=["compacted", "key-masked"])
+def test_leave_one_out_equals_hand_computed_differences(model, sample, compact):
+    detection = probe.detect("leave_one_out", model, None, sample, compact=compact)
+    assert detection.settings["compact"] is compact
     full = eager_answer_logprob(model, sample, [])
     for source, score in zip(sample.sources[:6], detection.details["source_scores"], strict=False):
         without = eager_answer_logprob(model, sample, range(source.start, source.end))
@@ -199,6 +201,8 @@ def test_pruned_leave_one_out_reuses_the_ranking_a_shared_call_made(model, sampl
     assert found["leave_one_out"].details["passes"] == 4
     with pytest.raises(ValueError, match="one score per source"):
         probe.detect("leave_one_out", model, None, sample, top_m=3, ranking=torch.zeros(2))
+    with pytest.raises(ValueError, match="give top_m too"):
+        probe.detect("leave_one_out", model, None, sample, ranking=torch.zeros(len(sample.sources)))
 
 
 def test_evaluate_takes_the_masks_leave_one_out_ran_instead_of_running_them_again(model, sample, monkeypatch):

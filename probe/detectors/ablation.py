@@ -1,10 +1,12 @@
-"""Ablation detectors: one score per source, from key-masked passes (:mod:`probe.faithfulness`).
+"""Ablation detectors: one score per source, from passes with sources removed (:mod:`probe.faithfulness`).
 
 ``leave_one_out`` removes sources one by one (or pruned, after AttriBoT); ``context_cite`` fits
 ContextCite's sparse linear surrogate to random source subsets. Each token carries its source's score.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ def leave_one_out(
     refine: int = 4,
     target: Target | None = None,
     ranking: torch.Tensor | None = None,
+    compact: bool | None = None,
 ) -> Detection:
     """Leave-one-out: a source's score is ``lp(full) − lp(without it)``, the drop of the gold answer's
     log-probability when it is removed (:func:`probe.faithfulness.answer_scores`), one pass per source.
@@ -49,13 +52,17 @@ def leave_one_out(
     every pass's mask and answer scores: ``ablated`` BoolTensor[passes, sources], ``ablated_logprob``,
     ``ablated_correct`` (:meth:`probe.faithfulness.Ablations.of` reads them, so that
     :func:`~probe.faithfulness.evaluate` need not run those masks again). Each token carries its
-    source's score. Flags the sources whose removal lowers the log-probability.
+    source's score. Flags the sources whose removal lowers the log-probability. ``reuse_prefix`` and
+    ``compact`` (compaction or key masking; default: compaction where the model takes ``position_ids``):
+    how each pass runs, see :func:`~probe.faithfulness.answer_scores`.
     """
     n_sources = len(sample.sources)
     if top_m is not None and block > 1:
         raise ValueError("choose one way to prune leave-one-out: top_m or block > 1, not both")
     if block < 1 or refine < 0 or (top_m is not None and top_m < 1):
         raise ValueError(f"block must be >= 1, refine >= 0 and top_m >= 1, got {block}, {refine}, {top_m}")
+    if ranking is not None and top_m is None:
+        raise ValueError("ranking prunes leave-one-out to its top_m sources: give top_m too (or no ranking)")
     none = torch.zeros(1, n_sources, dtype=torch.bool)
     settings = {
         "reuse_prefix": reuse_prefix,
@@ -63,7 +70,11 @@ def leave_one_out(
         "rank_by": rank_by,
         "block": block,
         "refine": refine,
+        "compact": compact,
     }
+    ablate = functools.partial(
+        answer_scores, model, sample, reuse_prefix=reuse_prefix, compact=compact, target=target
+    )
     if top_m is not None:
         if ranking is None:
             explained = {"target": target} if "target" in options(rank_by) else {}
@@ -75,7 +86,7 @@ def leave_one_out(
         cheap = ranking.float().cpu()
         chosen = torch.argsort(-cheap, stable=True)[: min(top_m, n_sources)]
         removed = torch.cat([none, _single(chosen, n_sources)])
-        ran = answer_scores(model, sample, removed, reuse_prefix, target=target)
+        ran = ablate(removed)
         drops = ran.logprob[0] - ran.logprob[1:]
         scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
         effect = cheap * scale
@@ -87,11 +98,11 @@ def leave_one_out(
         blocks = torch.zeros(len(starts), n_sources, dtype=torch.bool)
         for row, first in enumerate(starts.tolist()):
             blocks[row, first : first + block] = True
-        coarse = answer_scores(model, sample, torch.cat([none, blocks]), reuse_prefix, target=target)
+        coarse = ablate(torch.cat([none, blocks]))
         block_drops = coarse.logprob[0] - coarse.logprob[1:]
         refined = torch.argsort(-block_drops, stable=True)[:refine]
         chosen = blocks[refined].any(0).nonzero()[:, 0]
-        fine = answer_scores(model, sample, _single(chosen, n_sources), reuse_prefix, target=target)
+        fine = ablate(_single(chosen, n_sources))
         effect = (blocks.float() * (block_drops / blocks.sum(1))[:, None]).sum(0)
         effect[chosen] = coarse.logprob[0] - fine.logprob
         measured = blocks[refined].any(0)
@@ -99,7 +110,7 @@ def leave_one_out(
         ran = AnswerScores(*(torch.cat(pair) for pair in zip(coarse, fine, strict=True)))
     else:
         removed = torch.cat([none, _single(torch.arange(n_sources), n_sources)])
-        ran = answer_scores(model, sample, removed, reuse_prefix, target=target)
+        ran = ablate(removed)
         effect, measured = ran.logprob[0] - ran.logprob[1:], torch.ones(n_sources, dtype=torch.bool)
     scores = spread_over_tokens(effect, sample)
     return Detection(
@@ -134,11 +145,13 @@ def context_cite(
     holdout: float = 0.25,
     seed: int = 1,
     target: Target | None = None,
+    compact: bool | None = None,
 ) -> Detection:
-    """ContextCite's surrogate (Cohen-Wang et al. 2024): key-mask random subsets of the sources (each
-    kept with probability ``keep``), fit a sparse linear model (scikit-learn LASSO, ``alpha``, on
-    standardized masks) from the kept-source indicators to the gold answer's log-probability; a
-    source's score is its weight in log-probability per source kept.
+    """ContextCite's surrogate (Cohen-Wang et al. 2024): remove random subsets of the sources (each
+    kept with probability ``keep``; ``compact`` as :func:`~probe.faithfulness.answer_scores`), fit a
+    sparse linear model (scikit-learn LASSO, ``alpha``, on standardized masks) from the kept-source
+    indicators to the gold answer's log-probability; a source's score is its weight in
+    log-probability per source kept.
 
     The target is the log-probability (ContextCite uses the logit-probability log p − log(1 − p)).
     A ``holdout`` share of the masks is left out of the fit: ``details["heldout_spearman"]`` and
@@ -152,7 +165,7 @@ def context_cite(
 
     n_sources = len(sample.sources)
     kept = random_masks(n_sources, n_masks, keep, seed)
-    logprob = answer_scores(model, sample, ~kept, target=target).logprob
+    logprob = answer_scores(model, sample, ~kept, compact=compact, target=target).logprob
     n_fit = n_masks - max(1, round(holdout * n_masks))
     scaler = StandardScaler().fit(kept[:n_fit].double().numpy())
     lasso = Lasso(alpha=alpha).fit(scaler.transform(kept[:n_fit].double().numpy()), logprob[:n_fit].numpy())
@@ -162,7 +175,14 @@ def context_cite(
     return Detection(
         scores=scores,
         flagged=scores > 0,
-        settings={"n_masks": n_masks, "keep": keep, "alpha": alpha, "holdout": holdout, "seed": seed},
+        settings={
+            "n_masks": n_masks,
+            "keep": keep,
+            "alpha": alpha,
+            "holdout": holdout,
+            "seed": seed,
+            "compact": compact,
+        },
         details={
             "source_scores": weights,
             "heldout_spearman": lds(weights, kept[n_fit:], logprob[n_fit:]),
