@@ -73,8 +73,8 @@ FAITHFULNESS_METHODS = {
     "faithfulness_before": dict(top_m=None, ks=(1, 2, 4, 8), n_masks=32, compact=False),
     "faithfulness_compaction": dict(top_m=None, ks=(1, 2, 4, 8), n_masks=32, compact=True),
     "faithfulness_main_job": dict(top_m=8, ks=(1, 4), n_masks=16, compact=True),
-    "faithfulness_main_job_bfloat16": dict(top_m=8, ks=(1, 4), n_masks=16, compact=True),
 }
+FAITHFULNESS_METHODS["faithfulness_main_job_bfloat16"] = FAITHFULNESS_METHODS["faithfulness_main_job"]
 #: Methods whose model runs in another dtype than ``--dtype``.
 METHOD_DTYPES = {"faithfulness_main_job_bfloat16": "bfloat16"}
 METHODS = (*MASK_METHODS, *LOO_METHODS, *FAITHFULNESS_METHODS)
