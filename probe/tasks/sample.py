@@ -5,9 +5,18 @@ body as a list of :class:`Unit` s (noise sentences, facts, needles, emoji ...). 
 joins them into one string, records the character range of every unit that has a category while
 it concatenates, applies the chat template when the tokenizer has one (the offsets shift by the
 template's own prefix, found by rendering the template around a sentinel), tokenizes once with
-``return_offsets_mapping=True`` and maps each character range to the tokens that overlap it.
-There is no fuzzy matching: a token that straddles a span boundary (other than a merged leading
-space) raises, so a span can never silently include a neighbour's text.
+``return_offsets_mapping=True`` and maps each character range to tokens by one rule:
+
+**A token belongs to the span in which it starts**, where a token starts at its first
+non-whitespace character (a whitespace-only token at its first character). So a sentence owns its
+closing ``.\n\n`` or ``." `` (BPEs of the Qwen2.5 / Llama 3 kind merge them), the next sentence
+owns the merged leading space of `` She``, and whitespace between units on its own belongs to none.
+The text is tokenized once, as the model sees it: no token is split to fit a span, and any
+tokenizer's output maps. A span's tokens may therefore cover a little text beyond its characters
+(the punctuation or whitespace merged at its end); ``offsets`` says exactly which. Where a span
+would own no token at all (all of it merged into a token that starts before it: a source cut inside a
+word, or a BPE that merges across spaces), and only there, the text is tokenized in two pieces at that
+span's start; ``Sample.cuts`` records where. No text is refused.
 
 The gold answer is always appended after the prompt (teacher forcing): ``input_ids`` is prompt +
 answer and ``spans["answer"]`` points at the answer tokens; ``prompt_ids`` / ``prompt_text`` are the
@@ -58,9 +67,11 @@ class Unit:
 class Prompt:
     """The fixed parts of a task's prompt.
 
-    The user message is ``instruction \\n\\n context_open + body + context_close \\n\\n Question: question``.
-    The reply starts with ``answer_prefix`` (prefilled in the assistant turn for chat models, after
-    ``Answer:`` for completion models), then ``answer_separator + answer``. ``answer_pattern`` is a
+    The user message is ``instruction \\n\\n context_open + body + context_close + question_open +
+    question`` (no instruction: no blank line either). The reply starts with ``answer_prefix``
+    (prefilled in the assistant turn for chat models, after ``answer_open`` for completion models),
+    then ``answer_separator + answer``. A plain continuation of a text (:mod:`probe.tasks.key_token`)
+    leaves instruction, the openings and the answer prefix empty. ``answer_pattern`` is a
     regex matching every candidate answer of the task; ``Sample.score`` takes its first match.
     """
 
@@ -73,6 +84,8 @@ class Prompt:
     context_close: str = ""
     separator: str = " "  # between body units
     answer_separator: str = " "
+    question_open: str = "\n\nQuestion: "
+    answer_open: str = "\nAnswer: "  # completion prompts only: a chat template has its own
 
 
 @dataclass(frozen=True)
@@ -101,7 +114,9 @@ class Sample:
     dropped from this one's text, as ``(category, index)`` in the full sample's numbering, sorted;
     empty for a sample as rendered. ``tokenizer``: the fingerprint of the tokenizer that made it
     (:func:`probe.checks.tokenizer_fingerprint`; ``None`` for a sample built by hand), which probes
-    check against the model and tokenizer they are given.
+    check against the model and tokenizer they are given. ``cuts``: character positions where the text
+    was tokenized in separate pieces so that every span owns a token (:func:`_tokenize`); empty when
+    ``input_ids`` is the tokenization of ``text`` in one piece.
     """
 
     task: str
@@ -119,6 +134,7 @@ class Sample:
     offsets: np.ndarray = field(repr=False)
     removed: tuple[tuple[str, int], ...] = ()
     tokenizer: dict[str, Any] | None = field(default=None, repr=False)
+    cuts: tuple[int, ...] = ()
 
     @property
     def target_positions(self) -> torch.Tensor:
@@ -182,11 +198,11 @@ class Sample:
         :func:`render` joins a body without them: no doubled separators, and the context's opening
         and closing text stay. ``tokenizer`` must be the one that rendered the sample; the text is
         tokenized once, the chat template (if any) is already part of it, and every remaining span,
-        ``offsets``, ``input_ids`` and ``prompt_length`` are recomputed exactly (a token straddling a
-        new span boundary raises, as in :func:`render`). The removed sources' categories lose those
-        entries (indices of later entries shift down); ``removed`` records what went, in the full
-        sample's numbering, so ``without`` composes. ``length``, ``seed``, ``depth`` and ``options``
-        stay the settings that built the full sample.
+        ``offsets``, ``input_ids`` and ``prompt_length`` are recomputed by the span rule of
+        :func:`render`. The removed sources' categories lose those entries (indices of later entries
+        shift down); ``removed`` records what went, in the full sample's numbering, so ``without``
+        composes. ``length``, ``seed``, ``depth`` and ``options`` stay the settings that built the full
+        sample.
 
         ``sources``: any of :attr:`sources`, in any order (repeats count once); an empty selection
         returns a sample equal to this one. Raises ``ValueError`` for the question or the answer
@@ -237,13 +253,7 @@ class Sample:
             for category, spans in self.char_spans.items()
         }
         with_chat = uses_chat(tokenizer, self.options.get("chat"))
-        encoding = tokenizer(text, add_special_tokens=not with_chat, return_offsets_mapping=True)
-        offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-        input_ids = torch.tensor(encoding["input_ids"], dtype=torch.long)
-        spans = {
-            category: [_token_span(text, offsets, span) for span in ranges]
-            for category, ranges in char_spans.items()
-        }
+        input_ids, offsets, spans, cuts = _tokenize(tokenizer, text, char_spans, not with_chat)
         for category in ("question", "answer"):
             (old_start, old_end), (new_start, new_end) = self.spans[category][0], spans[category][0]
             if not torch.equal(self.input_ids[old_start:old_end], input_ids[new_start:new_end]):
@@ -270,6 +280,7 @@ class Sample:
             offsets=offsets,
             removed=tuple(sorted(removed)),
             tokenizer=self.tokenizer,
+            cuts=cuts,
         )
 
     @classmethod
@@ -354,6 +365,7 @@ class Sample:
             "input_ids": torch.tensor(record["input_ids"], dtype=torch.long),
             "offsets": np.asarray(record["offsets"], dtype=np.int64).reshape(-1, 2),
             "removed": tuple(tuple(entry) for entry in record.get("removed", ())),
+            "cuts": tuple(record.get("cuts", ())),
         }
         for key in ("spans", "char_spans"):
             fields[key] = {cat: [tuple(s) for s in spans] for cat, spans in record[key].items()}
@@ -469,13 +481,13 @@ def render(
             "fast tokenizer (AutoTokenizer.from_pretrained(..., use_fast=True))"
         )
     with_chat = uses_chat(tokenizer, chat)
-    prefix, suffix = chat_wrapper(tokenizer) if with_chat else ("", "\nAnswer: ")
+    prefix, suffix = chat_wrapper(tokenizer) if with_chat else ("", prompt.answer_open)
     built = _TextBuilder()
-    built.add(prefix + prompt.instruction + "\n\n" + prompt.context_open)
+    built.add(prefix + (prompt.instruction + "\n\n" if prompt.instruction else "") + prompt.context_open)
     for i, unit in enumerate(body):
         built.add(prompt.separator if i else "")
         built.add(unit.text, unit.category)
-    built.add(prompt.context_close + "\n\nQuestion: ")
+    built.add(prompt.context_close + prompt.question_open)
     built.add(prompt.question, "question")
     if prompt.answer:
         built.add(suffix + prompt.answer_prefix)
@@ -484,16 +496,14 @@ def render(
         built.add((suffix + prompt.answer_prefix).rstrip(" "))
     text = built.text
 
-    encoding = tokenizer(text, add_special_tokens=not with_chat, return_offsets_mapping=True)
-    offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-    spans = {cat: [_token_span(text, offsets, s) for s in built.char_spans[cat]] for cat in CATEGORIES}
+    input_ids, offsets, spans, cuts = _tokenize(tokenizer, text, built.char_spans, not with_chat)
     if not prompt.answer:  # a prompt without its answer yet: the answer starts after the last token
-        n = len(encoding["input_ids"])
+        n = len(input_ids)
         spans["answer"], built.char_spans["answer"] = [(n, n)], [(len(text), len(text))]
     return Sample(
         **settings,
         text=text,
-        input_ids=torch.tensor(encoding["input_ids"], dtype=torch.long),
+        input_ids=input_ids,
         answer=prompt.answer,
         answer_pattern=prompt.answer_pattern,
         prompt_length=spans["answer"][0][0],
@@ -501,24 +511,70 @@ def render(
         char_spans=built.char_spans,
         offsets=offsets,
         tokenizer=tokenizer_fingerprint(tokenizer),
+        cuts=cuts,
     )
 
 
-def _token_span(text: str, offsets: np.ndarray, char_span: tuple[int, int]) -> tuple[int, int]:
-    """Tokens whose characters overlap ``char_span``; raises if one straddles its boundary.
+def _tokenize(
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    char_spans: dict[str, list[tuple[int, int]]],
+    special_tokens: bool,
+) -> tuple[torch.Tensor, np.ndarray, dict[str, list[tuple[int, int]]], tuple[int, ...]]:
+    """``(input_ids LongTensor[seq], offsets int64 [seq, 2], token spans per category, cuts)`` of
+    ``text`` by the span rule (module docstring).
 
-    A token may start one character early only by a merged leading whitespace (" Mary").
+    The text is tokenized in one piece, as the model reads it. Only where a span would own no token
+    (all of it merged into a token that starts before it: a source cut inside a word, or a BPE without
+    pre-tokenizer merging across a space) is the text cut at that span's start and the pieces
+    tokenized separately, the first with the tokenizer's special tokens; ``cuts`` lists those
+    character positions (empty for ordinary text and every bundled tokenizer's tasks).
     """
+    cuts: list[int] = []
+    while True:
+        bounds = [0, *cuts, len(text)]
+        ids, offsets = [], []
+        for piece, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            special = special_tokens and piece == 0
+            encoding = tokenizer(text[start:end], add_special_tokens=special, return_offsets_mapping=True)
+            ids += encoding["input_ids"]
+            offsets += [(first + start, last + start) for first, last in encoding["offset_mapping"]]
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        starts = _token_starts(text, offsets)
+        spans = {cat: [_token_span(starts, span) for span in ranges] for cat, ranges in char_spans.items()}
+        orphans = {
+            span[0]
+            for category, ranges in char_spans.items()
+            for span, found in zip(ranges, spans[category], strict=True)
+            if found is None
+        }
+        if not orphans:
+            return torch.tensor(ids, dtype=torch.long), offsets, spans, tuple(cuts)
+        if orphans <= set(cuts):
+            raise ValueError(f"spans at characters {sorted(orphans)} own no token even when tokenized apart")
+        cuts = sorted(set(cuts) | orphans)
+
+
+def _token_starts(text: str, offsets: np.ndarray) -> np.ndarray:
+    """int64 [seq]: the character at which each token starts by the span rule (module docstring): its
+    first non-whitespace character, or its first character if it has none. An added special token
+    with an empty offset (``<bos>`` at (0, 0)) starts nowhere: −1, in no span."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    position = np.arange(len(text) + 1)
+    visible = np.append(~np.array([c.isspace() for c in text], dtype=bool), True)
+    next_visible = np.minimum.accumulate(np.where(visible, position, len(text))[::-1])[::-1]
+    first_visible = next_visible[np.minimum(starts, len(text))]
+    return np.where(ends <= starts, -1, np.where(first_visible < ends, first_visible, starts))
+
+
+def _token_span(token_starts: np.ndarray, char_span: tuple[int, int]) -> tuple[int, int] | None:
+    """Tokens ``start:end`` that start inside ``char_span`` (the span rule, module docstring), or
+    ``None`` if none does. ``token_starts``: :func:`_token_starts` of the tokenization."""
     char_start, char_end = char_span
-    overlaps = np.flatnonzero((offsets[:, 0] < char_end) & (offsets[:, 1] > char_start))
-    if len(overlaps) == 0:
-        raise ValueError(f"no token covers characters {char_span}")
-    start, end = int(overlaps[0]), int(overlaps[-1]) + 1
-    first_char, last_char = offsets[start, 0], offsets[end - 1, 1]
-    leading_ok = first_char == char_start or (first_char == char_start - 1 and text[first_char].isspace())
-    if not leading_ok or last_char != char_end:
-        raise ValueError(
-            f"token boundaries do not align with span {text[char_start:char_end]!r} "
-            f"(tokens cover {text[first_char:last_char]!r}); change the separators around it"
-        )
+    inside = np.flatnonzero((token_starts >= char_start) & (token_starts < char_end))
+    if len(inside) == 0:
+        return None
+    start, end = int(inside[0]), int(inside[-1]) + 1
+    if end - start != len(inside):
+        raise ValueError(f"the tokens that start inside characters {char_span} are not contiguous")
     return start, end
