@@ -30,7 +30,7 @@ DEFAULT_DETECTORS = [
     "key_removal_banzhaf",
     "leave_one_out",
 ]
-REFERENCES = ("ground_truth", "random_sources")
+REFERENCES = ("ground_truth", "random_sources", "additive_ceiling")
 BASELINES = ("attention", "leave_one_out")  # every scorer's difference from these, with intervals
 INTERVAL_METRICS = ("aopc_comprehensiveness", "aopc_sufficiency", "lds")
 LAYER_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
@@ -87,12 +87,14 @@ def compare_samples(
     batch_size: int = 1,
     pages: Path | None = None,
     ks: Sequence[int] = faithfulness.KS,
+    ceiling_masks: int = 0,
 ) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
     """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on ``samples``.
 
     ``options[name]`` go to detector ``name``; the attention family of all ``samples`` comes from one
     batched pass (:func:`probe.detectors.detect_many`); faithfulness as :func:`judge_faithfulness`,
-    ``batch_size`` masked passes at a time. Each row carries the detector's cost on its sample:
+    ``batch_size`` masked passes at a time, with the ``additive_ceiling`` reference fit on
+    ``ceiling_masks`` masks when that is positive. Each row carries the detector's cost on its sample:
     ``seconds`` (the shared pass's time for the detectors read off it) and ``passes`` (forward or
     forward+backward passes: 1 for a one-pass detector, 0 for a model-free one, the ablation
     detectors' own count). ``pages``: write each detector's token view of the first sample there
@@ -125,7 +127,9 @@ def compare_samples(
                 layers.append(
                     layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
                 )
-        judged = judge_faithfulness(model, sample, found, source_reduce, n_masks, seed, batch_size, ks)
+        judged = judge_faithfulness(
+            model, sample, found, source_reduce, n_masks, seed, batch_size, ks, ceiling_masks
+        )
         judged["seconds"] = judged.scorer.map({name: detection.seconds for name, detection in found.items()})
         faithful.append(judged.assign(**about))
     return rows, layers, pd.concat(faithful, ignore_index=True)
@@ -140,6 +144,7 @@ def judge_faithfulness(
     seed: int = 0,
     batch_size: int = 1,
     ks: Sequence[int] = faithfulness.KS,
+    ceiling_masks: int = 0,
 ) -> pd.DataFrame:
     """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
     ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``),
@@ -152,8 +157,9 @@ def judge_faithfulness(
         if "target" not in detection.settings and (ablations := faithfulness.Ablations.of(detection))
     ]
     faithful = faithfulness.evaluate(
-        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size, known=known
-    )
+        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size, known=known,
+        ceiling_masks=ceiling_masks,
+    )  # fmt: skip
     faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
     return faithful.assign(source_reduce=source_reduce, n_masks=n_masks, ablation=faithful.attrs["ablation"])
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -152,7 +153,7 @@ def plot_deletion(faithful: pd.DataFrame) -> plt.Figure:
     colors = [c for i, c in enumerate(sns.color_palette("tab20")) if i not in (14, 15)]  # greys: references
     colors = colors[::2] + colors[1::2]  # the strong shades first
     palette = {name: colors[i % len(colors)] for i, name in enumerate(names)}
-    palette |= {"ground_truth": "black", "random_sources": "grey"}
+    palette |= {"ground_truth": "black", "random_sources": "grey", "additive_ceiling": "darkred"}
     grid = sns.relplot(
         data=curves,
         x="k",
@@ -220,6 +221,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--model", default="smollm2-135m", help="model name or local HF folder")
     parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"], choices=tasks.names())
+    parser.add_argument(
+        "--task-options", nargs="*", type=task_option, default=[], metavar="KEY=NUMBER",
+        help="options of the tasks that take them, e.g. alpha=1.5 (key-token's LSD threshold)",
+    )  # fmt: skip
     parser.add_argument("--length", type=int, default=1024, help="prompt length in tokens")
     parser.add_argument("--samples", type=int, default=SAMPLES, help=f"samples per task (default {SAMPLES})")
     parser.add_argument(
@@ -247,6 +252,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="token scores -> one score per source (default mean: a sum favours long sentences)",
     )
     parser.add_argument("--masks", type=int, default=16, help="random source masks per sample for LDS")
+    parser.add_argument(
+        "--ceiling-masks", type=int, default=0,
+        help="fit the additive_ceiling reference on this many further random masks a sample (0: none; "
+        "the held-out study uses 256)",
+    )  # fmt: skip
     parser.add_argument(
         "--loo-top-m",
         type=top_m,
@@ -284,6 +294,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--samples must be at least 1")
     if args.masks < 2:
         parser.error("--masks must be at least 2 (LDS is a rank correlation over masks)")
+    unused = {key for key, _ in args.task_options} - {
+        key for task in args.tasks for key in options_of(task, args.task_options)
+    }
+    if unused:
+        parser.error(f"--task-options {sorted(unused)}: no task of --tasks takes them")
+    if args.ceiling_masks < 0:
+        parser.error("--ceiling-masks must be 0 (no ceiling) or a number of masks")
     if args.length < 64:
         parser.error("--length must be at least 64 tokens")
     if min(args.ks) < 1:
@@ -296,6 +313,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         check_out(parser, args.out)
     check_device_arguments(parser, args)
     return args
+
+
+def task_option(text: str) -> tuple[str, float]:
+    """``KEY=NUMBER`` from the command line (``alpha=-inf`` too)."""
+    key, _, value = text.partition("=")
+    try:
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"task options are KEY=NUMBER, got {text!r}") from None
+
+
+def options_of(task: str, given: list[tuple[str, float]]) -> dict[str, float]:
+    """The ``--task-options`` that ``task`` takes."""
+    accepted = inspect.signature(tasks.TASKS[task]).parameters
+    return {key: value for key, value in given if key in accepted}
 
 
 def study_folder(args: argparse.Namespace) -> Path:
@@ -336,7 +368,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     def run(job: tuple) -> dict[str, pd.DataFrame]:
         """One batch of samples (``job`` = task, seed, task, seed, ...): its three tables."""
         pairs = zip(job[::2], job[1::2], strict=True)
-        chunk = [tasks.make(task, tokenizer, args.length, seed=seed) for task, seed in pairs]
+        chunk = [
+            tasks.make(task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options))
+            for task, seed in pairs
+        ]
         rows, layers, faithful = compare_samples(
             model,
             tokenizer,
@@ -351,6 +386,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             batch_size=args.batch_size,
             pages=out / f"detector_{tag}_view" if job == jobs[0] else None,
             ks=args.ks,
+            ceiling_masks=args.ceiling_masks,
         )
         layers = pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
         return {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}

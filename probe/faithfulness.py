@@ -40,6 +40,7 @@ from probe.target import Target, target_value
 from probe.tasks import Sample, Source
 
 KS = (1, 2, 4, 8)
+CEILING_SEED = 7919  # the additive ceiling's masks: seed + this, apart from the LDS masks' seed
 REDUCTIONS = ("sum", "mean", "max")
 
 
@@ -281,6 +282,18 @@ def _known_or_run(
     return AnswerScores(torch.stack(logprob).float(), torch.stack(correct))
 
 
+def additive_ceiling(kept: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
+    """Tensor[sources]: the weights of the best additive surrogate of the ablations, ``actual``
+    Tensor[masks] ≈ ``kept`` BoolTensor[masks, sources] @ w + b, by ridge regression with the penalty
+    chosen by leave-one-out cross-validation (scikit-learn's ``RidgeCV``). Scored on other masks, its
+    LDS is what no additive attribution can clearly beat on the sample (ContextCite's surrogate,
+    Cohen-Wang et al. 2024, fit on many masks instead of a few)."""
+    from sklearn.linear_model import RidgeCV
+
+    fit = RidgeCV(alphas=np.logspace(-4, 2, 13)).fit(kept.double().numpy(), actual.double().numpy())
+    return torch.from_numpy(fit.coef_).float()
+
+
 def ground_truth_scores(sample: Sample) -> torch.Tensor:
     """Tensor[sources]: 1 for supporting sources, 0 otherwise (the planted facts as a detector)."""
     return torch.tensor([float(source.category == "supporting") for source in sample.sources])
@@ -299,6 +312,7 @@ def evaluate(
     compact: bool | None = None,
     target: Target | None = None,
     known: Sequence[Ablations] = (),
+    ceiling_masks: int = 0,
 ) -> pd.DataFrame:
     """Faithfulness of several source scorings of one sample, one row per scorer.
 
@@ -308,9 +322,13 @@ def evaluate(
     :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``, ``target``); masks
     in ``known`` (passes already run with the same model, ablation and target, e.g. a ``leave_one_out``
     detection's, :meth:`Ablations.of`) are not run again.
+
+    ``ceiling_masks`` > 0 adds the reference scorer ``additive_ceiling``: :func:`additive_ceiling` fit
+    on that many further random masks (seeded apart; none of them an LDS mask), judged like every
+    scorer; each row's ``lds_share`` is then its LDS over the ceiling's.
     Columns: ``scorer``, ``full_logprob``, ``full_correct``, ``comprehensiveness_k{k}``,
     ``sufficiency_k{k}``, ``correct_removed_k{k}``, ``correct_kept_k{k}``, ``aopc_comprehensiveness``,
-    ``aopc_sufficiency``, ``lds``, ``n_sources``.
+    ``aopc_sufficiency``, ``lds``, ``n_sources`` (and ``lds_share`` with a ceiling).
     """
     n_sources = len(sample.sources)
     ks = list(ks)
@@ -320,7 +338,24 @@ def evaluate(
         raise ValueError(
             f"n_masks must be an integer >= 2 (LDS is a rank correlation over masks), got {n_masks}"
         )
+    if isinstance(ceiling_masks, bool) or int(ceiling_masks) != ceiling_masks or ceiling_masks < 0:
+        raise ValueError(f"ceiling_masks must be a non-negative integer, got {ceiling_masks}")
     kept_random = random_masks(n_sources, n_masks, keep, seed)
+    compact = compaction_supported(model) if compact is None else compact
+    run = functools.partial(
+        answer_scores,
+        model,
+        sample,
+        reuse_prefix=reuse_prefix,
+        batch_size=batch_size,
+        compact=compact,
+        target=target,
+    )
+    if ceiling_masks:
+        fit = random_masks(n_sources, ceiling_masks, keep, seed + CEILING_SEED)
+        fit = fit[~(fit[:, None] == kept_random[None]).all(-1).any(-1)]  # never an LDS mask
+        ceiling = additive_ceiling(fit, _known_or_run(~fit, known, run).logprob)
+        scores = {**scores, "additive_ceiling": ceiling}
     masks = {"full": torch.zeros(1, n_sources, dtype=torch.bool), "random": ~kept_random}
     for name, score in scores.items():
         if not torch.is_tensor(score) or score.shape != (n_sources,):
@@ -338,16 +373,6 @@ def evaluate(
         masks[f"{name}/removed"] = top
         masks[f"{name}/kept"] = ~top
     unique, where = torch.cat(list(masks.values())).unique(dim=0, return_inverse=True)
-    compact = compaction_supported(model) if compact is None else compact
-    run = functools.partial(
-        answer_scores,
-        model,
-        sample,
-        reuse_prefix=reuse_prefix,
-        batch_size=batch_size,
-        compact=compact,
-        target=target,
-    )
     results = _known_or_run(unique, known, run)
     bounds = np.cumsum([0] + [len(m) for m in masks.values()])
     lookup = {
@@ -370,7 +395,10 @@ def evaluate(
         row["n_sources"] = n_sources
         rows.append(row)
     frame = pd.DataFrame(rows)
+    if ceiling_masks:
+        frame["lds_share"] = frame.lds / frame.lds[frame.scorer == "additive_ceiling"].iloc[0]
     frame.attrs = dict(
+        ceiling_masks=ceiling_masks,
         ks=list(ks),
         n_masks=n_masks,
         keep=keep,

@@ -200,3 +200,22 @@ def test_a_resume_after_the_default_detectors_changed_is_refused(tiny_model_fold
     monkeypatch.setattr(detector_compare, "DEFAULT_DETECTORS", ["attention", "recency", "lexical_overlap"])
     with pytest.raises(SystemExit, match=r"detectors: \['attention', 'recency'\] then"):
         detector_compare.main([*argv, "--resume"])
+
+
+def test_the_held_out_settings_run_end_to_end_with_the_ceiling(tiny_model_folder, tmp_path):
+    """The held-out study's tasks (planted chains in essays, a key token found by LSD on the model
+    itself, nothing planted) and its additive_ceiling reference row, at tiny settings."""
+    argv = ["--model", str(tiny_model_folder), "--length", "256", "--samples", "1", "--masks", "8",
+            "--tasks", "document-2", "key-token", "--ceiling-masks", "24", "--ks", "1", "2",
+            "--detectors", "attention", "key_removal_banzhaf", "leave_one_out", "--loo-top-m", "all",
+            "--task-options", "alpha=-inf", "beta=-inf"]  # fmt: skip
+    detector_compare.main([*argv, "--out", str(tmp_path)])
+    faithful = pd.read_csv(tmp_path / f"detector_{tiny_model_folder.name}-256_faithfulness.csv")
+    assert set(faithful.task) == {"document-2", "key-token"}
+    ceiling = faithful[faithful.scorer == "additive_ceiling"]
+    assert len(ceiling) == 2 and set(ceiling.kind) == {"reference"} and (ceiling.lds_share == 1).all()
+    for _, rows in faithful.groupby("task"):
+        top = rows.set_index("scorer")
+        assert top.lds_share.drop("additive_ceiling").tolist() == pytest.approx(
+            (top.lds / top.lds["additive_ceiling"]).drop("additive_ceiling").tolist(), nan_ok=True
+        )

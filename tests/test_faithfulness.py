@@ -141,6 +141,35 @@ def test_evaluate_reports_the_drops_of_its_own_masks(model, sample):
     assert row["aopc_comprehensiveness"] == pytest.approx(float((full - removed).mean()), abs=ATOL)
 
 
+def test_the_additive_ceiling_recovers_an_additive_model_exactly():
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(12, generator=generator)
+    kept = faithfulness.random_masks(12, 256, seed=3)
+    recovered = faithfulness.additive_ceiling(kept, kept.float() @ weights - 2.0)
+    assert torch.allclose(recovered, weights, atol=1e-3)
+
+
+def test_evaluate_fits_the_ceiling_on_its_own_masks_and_shares_are_of_its_lds(model, sample):
+    """The ceiling row is :func:`additive_ceiling` of hand-run passes over masks none of which is an
+    LDS mask, judged like any scorer; every row's ``lds_share`` is its LDS over the ceiling's."""
+    truth = faithfulness.ground_truth_scores(sample)
+    scorers = {"truth": truth}
+    frame = faithfulness.evaluate(model, sample, scorers, ks=(1,), n_masks=8, seed=4, ceiling_masks=40)
+    n = len(sample.sources)
+    lds_masks = faithfulness.random_masks(n, 8, seed=4)
+    fit = faithfulness.random_masks(n, 40, seed=4 + faithfulness.CEILING_SEED)
+    assert not (fit[:, None] == lds_masks[None]).all(-1).any()
+    by_hand = faithfulness.additive_ceiling(fit, faithfulness.answer_scores(model, sample, ~fit).logprob)
+    actual = faithfulness.answer_scores(model, sample, ~lds_masks).logprob
+    ceiling = frame.set_index("scorer").loc["additive_ceiling"]
+    assert ceiling.lds == pytest.approx(faithfulness.lds(by_hand, lds_masks, actual), abs=1e-6)
+    truth_row = frame.set_index("scorer").loc["truth"]
+    assert truth_row.lds_share == pytest.approx(truth_row.lds / ceiling.lds) and ceiling.lds_share == 1.0
+    assert frame.attrs["ceiling_masks"] == 40
+    with pytest.raises(ValueError, match="ceiling_masks"):
+        faithfulness.evaluate(model, sample, {"truth": truth}, ceiling_masks=-1)
+
+
 def test_bad_masks_are_refused(model, sample):
     with pytest.raises(ValueError, match="sources"):
         faithfulness.answer_scores(model, sample, torch.zeros(2, 3, dtype=torch.bool))

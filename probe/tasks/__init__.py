@@ -52,19 +52,26 @@ def names() -> list[str]:
     return list(TASKS)
 
 
+#: The tasks that score their text with a model (``make(..., model=...)``); the others ignore it.
+SCORED_BY_MODEL = ("key-token",)
+
+
 def make(
     task: str,
     tokenizer: PreTrainedTokenizerBase,
     length: int,
     seed: int = 0,
     depth: Depth = None,
+    model=None,
     **options,
 ) -> Sample:
     """One sample of ``task`` with a prompt of ``length`` tokens (± a few percent) for ``tokenizer``.
 
     ``depth`` places the supporting items: a number in [0, 1] (fraction of the filler text before
     them; all supporting facts at that depth, in order), one number per supporting item, or ``None``
-    (uniform random, sorted). Deterministic in ``seed``. See the module docstring for ``options``.
+    (uniform random, sorted). Deterministic in ``seed``. ``model``: for the tasks of
+    :data:`SCORED_BY_MODEL`, the model that scores the text (ignored by the others, so one call builds
+    any task). See the module docstring for ``options``.
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
@@ -72,6 +79,8 @@ def make(
         raise ValueError(f"length must be a positive number of tokens, got {length!r}")
     depth = depth if depth is None or np.isscalar(depth) else tuple(depth)
     settings = dict(task=task, length=int(length), seed=seed, depth=depth, options=options)
+    if task in SCORED_BY_MODEL:
+        options = {"model": model, **options}
     return TASKS[task](tokenizer, settings, np.random.default_rng(seed), **options)
 
 
