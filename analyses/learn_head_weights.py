@@ -48,7 +48,7 @@ TRAIN_SEED = 1000
 def sample_record(model, tokenizer, task: str, length: int, seed: int, n_masks: int, held_out: bool) -> dict:
     """One sample's features Tensor[sources, features, layers, heads], masks, log-probabilities and,
     held out, the compared detectors' source scores."""
-    sample = tasks.make(task, tokenizer, length, seed=seed)
+    sample = tasks.make(task, tokenizer, length, seed=seed, model=model)
     attribution = answer_attribution(model, sample.input_ids, sample.target_positions)
     features = at2.source_features(at2.token_features(attribution), sample)
     kept = faithfulness.random_masks(len(sample.sources), n_masks, seed=0)

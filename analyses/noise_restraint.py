@@ -34,7 +34,7 @@ SHOWN = ("supporting", "interference", "noise", "low_frequency")
 
 def restrain_sample(model, tokenizer, args: argparse.Namespace, seed: int) -> pd.DataFrame:
     """One sample: the greedy answer and :func:`probe.denoise.noise_restraint` for every step size."""
-    sample = tasks.make(args.task, tokenizer, args.length, seed=seed)
+    sample = tasks.make(args.task, tokenizer, args.length, seed=seed, model=model)
     generated = answer(model, tokenizer, sample, args.max_new_tokens)
     lrs = [step / args.beta for step in args.steps]
     table = denoise.noise_restraint(model, sample, lrs, beta=args.beta, move=args.move)

@@ -103,7 +103,7 @@ def ablation_sample(
 ) -> Tables:
     """One ablation job ``("ablation", model label, task, seed)``: :func:`ablate_sample` on that sample."""
     _, _, task, seed = job
-    sample = tasks.make(task, tokenizer, args.ablation_length, seed=seed)
+    sample = tasks.make(task, tokenizer, args.ablation_length, seed=seed, model=model)
     return {"rows": ablate_sample(model, tokenizer, sample, ablated)}
 
 
@@ -131,11 +131,12 @@ def ablation(
     process (``main`` spreads the same samples over a sweep).
     """
     ablated = conditions(ranked, ks, random_draws, seed)
-    rows = [
-        ablate_sample(model, tokenizer, tasks.make(task, tokenizer, length, seed=ABLATION_SEED + i), ablated)
+    samples = [
+        tasks.make(task, tokenizer, length, seed=ABLATION_SEED + i, model=model)
         for task in task_names
         for i in range(n_samples)
     ]
+    rows = [ablate_sample(model, tokenizer, sample, ablated) for sample in samples]
     return accuracy(pd.concat(rows, ignore_index=True))
 
 

@@ -4,7 +4,7 @@ Each sample is answered with ``model.generate`` (greedy, at most the gold answer
 new tokens) from ``sample.prompt_ids`` — the prompt already ends with the task's answer prefix
 ("The pass key is") — and scored with ``sample.score``. Depth is random per sample (``depth=None``).
 
-    python -m analyses.task_accuracy                       # both models, all tasks, 512/1K/2K, 20 samples
+    python -m analyses.task_accuracy                       # bundled models, all tasks, 512/1K/2K, 20 samples
     python -m analyses.task_accuracy --quick               # 2 samples at 512 tokens
     python -m analyses.task_accuracy --models gemma3-270m --tasks passkey kv --lengths 4096
 
@@ -30,6 +30,7 @@ from analyses.arguments import add_device_arguments, check_device_arguments, che
 from analyses.output import save_figure
 from analyses.sweep import sweep
 from probe import answer, tasks
+from probe.models import REAL_MODELS
 from probe.results import atomic_write
 
 NAME = "task_accuracy"
@@ -38,7 +39,7 @@ KEYS = ["model", "task", "length", "seed"]
 
 def evaluate(model, tokenizer, model_name: str, task: str, length: int, seed: int) -> dict:
     """One sample's row: settings, prompt tokens, gold answer, generated text, correct (0/1)."""
-    sample = tasks.make(task, tokenizer, length, seed=seed)
+    sample = tasks.make(task, tokenizer, length, seed=seed, model=model)
     generated = answer(model, tokenizer, sample)
     return dict(
         model=model_name,
@@ -97,7 +98,7 @@ def write(results: pd.DataFrame, out: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    parser.add_argument("--models", nargs="+", default=list(REAL_MODELS))
     parser.add_argument("--tasks", nargs="+", default=tasks.names(), choices=tasks.names())
     parser.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048])
     parser.add_argument("--samples", type=int, default=20, help="samples (seeds 0..n-1) per cell")

@@ -24,11 +24,13 @@ from probe.planner import plan
 from probe.retrieval import RetrievalScores, retrieval_scores
 from probe.rope import rope_base
 from probe.target import target_loss
+from probe.tasks import Sample
 
 __all__ = [
     "ActivationCache",
     "RetrievalScores",
     "Detection",
+    "Sample",
     "detect",
     "detectors",
     "metrics",
