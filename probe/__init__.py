@@ -1,6 +1,6 @@
 """longprobe: probes for long-context language models."""
 
-from probe import detectors, metrics
+from probe import detectors, errors, metrics
 from probe.attribution import (
     answer_attribution,
     attention_matrices,
@@ -11,9 +11,9 @@ from probe.attribution import (
 )
 from probe.capture import ActivationCache, trace
 from probe.checkpointing import checkpointed
-from probe.checks import UnsupportedModelError
 from probe.denoise import noise_restraint
 from probe.detectors import Detection, attribute, detect
+from probe.errors import LongprobeError, UnsupportedModelError
 from probe.generation import answer
 from probe.graph import context_selector
 from probe.lsd import longppl, pool_longppl, token_lsd
@@ -33,7 +33,9 @@ __all__ = [
     "Sample",
     "detect",
     "detectors",
+    "errors",
     "metrics",
+    "LongprobeError",
     "UnsupportedModelError",
     "ablate_heads",
     "answer",

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from probe.errors import InvalidValueError
+
 __all__ = ["character_runs", "decoded_offsets", "encode", "transfer_to_tokens"]
 
 
@@ -59,7 +61,7 @@ def decoded_offsets(
         before, through = decode(ids[max(0, i - lookback) : i]), decode(ids[max(0, i - lookback) : i + 1])
         pieces.append(through[len(before) :] if through.startswith(before) else None)
     if None in pieces or "".join(pieces) != text:
-        raise ValueError(
+        raise InvalidValueError(
             f"{type(tokenizer).__name__} gives no character offsets and its token-by-token decoding does "
             "not reproduce the text (it normalizes the text), so tokens cannot be mapped to characters; "
             "use a fast tokenizer (use_fast=True) or the same tokenizer for both models"
@@ -93,7 +95,7 @@ def transfer_to_tokens(
     Tokens with no characters (special tokens) get NaN.
     """
     if reduce not in ("all", "mean"):
-        raise ValueError(f"reduce must be 'all' or 'mean', got {reduce!r}")
+        raise InvalidValueError(f"reduce must be 'all' or 'mean', got {reduce!r}")
     chars = np.full(len(text), np.nan)
     for (start, end), value in zip(source_offsets, source_values, strict=True):
         chars[start:end] = value

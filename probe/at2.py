@@ -30,6 +30,7 @@ import torch
 
 from probe.attribution import AnswerAttribution
 from probe.checks import hf_model
+from probe.errors import InvalidValueError
 from probe.results import read_json, write_json
 from probe.tasks import Sample
 
@@ -81,7 +82,7 @@ class HeadWeights:
         """Refuse weights learned for another architecture than ``model``'s."""
         expected, found = self.settings["model"], fingerprint(model)
         if expected != found:
-            raise ValueError(
+            raise InvalidValueError(
                 f"these head weights were learned for {expected}, the model is {found}; fit weights for "
                 "this model with python -m analyses.learn_head_weights --model ..."
             )
@@ -116,7 +117,7 @@ class HeadWeights:
         """``weights`` (an object or a file), else :meth:`bundled`; checked against ``model``."""
         found = cls.bundled(model) if weights is None else weights
         if found is None:
-            raise ValueError(
+            raise InvalidValueError(
                 f"no bundled AT2 head weights fit {fingerprint(model)}; learn them with "
                 "python -m analyses.learn_head_weights --model ... and pass weights=PATH"
             )
@@ -154,7 +155,7 @@ def fit(
     from probe.faithfulness import lds
 
     if len(features) < 2:
-        raise ValueError("fitting head weights needs at least 2 training samples")
+        raise InvalidValueError("fitting head weights needs at least 2 training samples")
     rows = [surrogate_rows(f, k, y) for f, k, y in zip(features, kept, logprob, strict=True)]
     x, y = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
     groups = np.concatenate([np.full(len(r[1]), i) for i, r in enumerate(rows)])

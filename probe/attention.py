@@ -52,6 +52,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, and_masks, causal_mask_function, sdpa_mask
 
 from probe.checks import UnsupportedModelError, _bidirectional, hf_model
+from probe.errors import InvalidValueError
 from probe.flash_key_bias import Excluded, key_biased_attention, unit_runs
 from probe.shared_state import shared_change
 
@@ -445,7 +446,7 @@ def key_biased_mask(
 def _one_pass(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[int, int]:
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len != kv_len or bias.shape[-1] != kv_len:
-        raise ValueError(
+        raise InvalidValueError(
             f"bias_keys has a bias for {bias.shape[-1]} keys but the layer sees {q_len} queries "
             f"over {kv_len} keys: run one forward over the whole sequence, without a KV cache"
         )
@@ -498,7 +499,7 @@ def _attention_output(module, query, key, value, attention_mask, logits: Logits,
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )[0]
     if dropout > 0:
-        raise ValueError("attention dropout is active: call model.eval() before probing attention")
+        raise InvalidValueError("attention dropout is active: call model.eval() before probing attention")
     exact = torch.promote_types(query.dtype, torch.float32)
     key, value = key.to(exact), value.to(exact)  # upcast once: every block reads the same copy
     rows = torch.arange(query.shape[2], device=query.device)

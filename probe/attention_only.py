@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
+from probe.errors import InvalidValueError
 from probe.graph import causal_mask
 from probe.tasks.classification import Episodes, InContextClassification
 
@@ -52,11 +53,11 @@ class SANConfig:
 
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
-            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+            raise InvalidValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
         if self.pe not in ENCODINGS:
-            raise ValueError(f"pe must be one of {ENCODINGS}, got {self.pe!r}")
+            raise InvalidValueError(f"pe must be one of {ENCODINGS}, got {self.pe!r}")
         if self.n_layers < 1:
-            raise ValueError(f"n_layers must be at least 1, got {self.n_layers}")
+            raise InvalidValueError(f"n_layers must be at least 1, got {self.n_layers}")
 
 
 def log_mask(config: SANConfig, seq: int) -> torch.Tensor:
@@ -141,7 +142,7 @@ def train(
     lets several models share one set. Returns the loss of every step.
     """
     if data is not None and answer_positions is not None:
-        raise ValueError("answer_positions is fixed when data is drawn; give one or the other")
+        raise InvalidValueError("answer_positions is fixed when data is drawn; give one or the other")
     optimiser = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
     losses = []
@@ -183,9 +184,11 @@ def train_together(
     trained weights are written back into ``models``. Returns the losses ``[steps, networks]``.
     """
     if len({model.config for model in models}) != 1:
-        raise ValueError("train_together stacks networks of one SANConfig; train other configs separately")
+        raise InvalidValueError(
+            "train_together stacks networks of one SANConfig; train other configs separately"
+        )
     if len(tasks) != len(models) or (data is not None and len(data) != len(models)):
-        raise ValueError(f"need one task (and one data set) per network: {len(models)} networks")
+        raise InvalidValueError(f"need one task (and one data set) per network: {len(models)} networks")
     params, buffers = stack_module_state(list(models))
     template = copy.deepcopy(models[0]).to("meta")
 

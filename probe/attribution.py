@@ -21,6 +21,7 @@ import torch
 from probe.batch import Batch, batch_loss, batch_of, is_batch
 from probe.capture import trace
 from probe.checks import check_input_ids, check_layers, hf_model, input_device
+from probe.errors import InvalidValueError
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters
 from probe.target import Target
@@ -90,7 +91,9 @@ def attention_rows(
     """
     batch, single = _batch(model, input_ids, rows, attention_mask, "rows", 0)
     if inputs_embeds is not None and not single:
-        raise ValueError("inputs_embeds replaces the embeddings of one sequence; pass one sequence with it")
+        raise InvalidValueError(
+            "inputs_embeds replaces the embeddings of one sequence; pass one sequence with it"
+        )
     layers = check_layers(model, layers)
     inputs = _model_inputs(model, batch.input_ids, inputs_embeds)
     with (
@@ -110,7 +113,7 @@ def _model_inputs(model, ids: torch.Tensor, inputs_embeds: torch.Tensor | None) 
         return {"input_ids": ids}
     hidden = hf_model(model).get_input_embeddings().embedding_dim
     if inputs_embeds.shape != (ids.shape[1], hidden):
-        raise ValueError(
+        raise InvalidValueError(
             f"inputs_embeds must have shape [seq, hidden] = [{ids.shape[1]}, {hidden}], "
             f"got {tuple(inputs_embeds.shape)}"
         )
@@ -168,7 +171,7 @@ FLOW_REDUCTIONS = ("sum_then_abs", "abs_then_sum")
 
 def _check_reduce(reduce: str) -> None:
     if reduce not in FLOW_REDUCTIONS:
-        raise ValueError(f"reduce must be 'sum_then_abs' or 'abs_then_sum', got {reduce!r}")
+        raise InvalidValueError(f"reduce must be 'sum_then_abs' or 'abs_then_sum', got {reduce!r}")
 
 
 def flow_from_pattern(
@@ -304,7 +307,9 @@ def embedding_grads(
     """
     batch, single = _batch(model, input_ids, target_positions, attention_mask, "target_positions", 1)
     if inputs_embeds is not None and not single:
-        raise ValueError("inputs_embeds replaces the embeddings of one sequence; pass one sequence with it")
+        raise InvalidValueError(
+            "inputs_embeds replaces the embeddings of one sequence; pass one sequence with it"
+        )
     inner = hf_model(model)
     with (
         guarded(model, batch.input_ids.shape[1], "embedding_grads", checkpoint, len(batch.union), len(batch)),
@@ -389,7 +394,7 @@ class AnswerAttribution:
         each Tensor[len(layers), heads, rows, seq]."""
         missing = sorted(set(layers) - set(self.layers))
         if missing:
-            raise ValueError(
+            raise InvalidValueError(
                 f"layers {missing} were not captured; this attribution holds layers {list(self.layers)}"
             )
         index = torch.tensor([self.layers.index(layer) for layer in layers], dtype=torch.long)

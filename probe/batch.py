@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from probe.checks import check_input_ids, check_integers, check_positions, hf_model, input_device
+from probe.errors import InvalidTypeError, InvalidValueError
 from probe.target import Target, target_loss_of
 
 
@@ -74,12 +75,12 @@ def batch_of(
     sequences, offsets = _sequences(input_ids, attention_mask)
     flat = torch.is_tensor(positions) and positions.ndim < 2 or isinstance(positions, (int, str))
     if flat or not torch.is_tensor(positions) and any(isinstance(p, (int, np.integer)) for p in positions):
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} for {len(sequences)} sequences must be one list of positions per sequence "
             f"([[...], [...]]), got one flat list {positions!r}"
         )
     if len(positions) != len(sequences):
-        raise ValueError(
+        raise InvalidValueError(
             f"{len(sequences)} sequences but {len(positions)} lists of {what}: give one list each"
         )
     checked, shifted = [], []
@@ -104,11 +105,11 @@ def _sequences(input_ids, attention_mask: torch.Tensor | None) -> tuple[list[tor
             return list(input_ids), [0] * len(input_ids)
         sequences = [torch.as_tensor(ids, dtype=torch.long).reshape(-1) for ids in input_ids]
         if not sequences:
-            raise ValueError("no sequences given")
+            raise InvalidValueError("no sequences given")
         return sequences, [0] * len(sequences)
     ids, mask = torch.as_tensor(input_ids), torch.as_tensor(attention_mask).bool()
     if ids.ndim != 2 or mask.shape != ids.shape:
-        raise ValueError(
+        raise InvalidValueError(
             f"attention_mask {tuple(mask.shape)} must have the shape of input_ids [batch, seq], "
             f"{tuple(ids.shape)}"
         )
@@ -116,7 +117,7 @@ def _sequences(input_ids, attention_mask: torch.Tensor | None) -> tuple[list[tor
     for row, keep in zip(ids, mask, strict=True):
         where = keep.nonzero().reshape(-1)
         if where.numel() == 0 or where[-1] - where[0] + 1 != where.numel():
-            raise ValueError(
+            raise InvalidValueError(
                 "each row of attention_mask needs one contiguous run of tokens (left or right padding)"
             )
         sequences.append(row[where[0] : where[-1] + 1])

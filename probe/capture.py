@@ -29,6 +29,7 @@ from probe.attention import (
 )
 from probe.checkpointing import recomputing
 from probe.checks import check_int, check_integers, check_layers, hf_model, n_layers
+from probe.errors import InvalidValueError, MissingKeyError, OutOfRangeError
 
 HOOK_NAMES = {
     "pattern": "blocks.{layer}.attn.hook_pattern",
@@ -53,12 +54,12 @@ class ActivationCache(dict):
         if isinstance(key, tuple):
             kind, layer = key
             if kind not in HOOK_NAMES:
-                raise KeyError(f"unknown kind {kind!r}: one of {sorted(HOOK_NAMES)}")
+                raise MissingKeyError(f"unknown kind {kind!r}: one of {sorted(HOOK_NAMES)}")
             key = HOOK_NAMES[kind].format(layer=layer % self.n_layers)
         if key not in self:
             held = ", ".join(sorted(self, key=lambda name: (len(name), name))) or "nothing"
             hint = " (gradients need trace(..., grad=True) and a backward)" if key.endswith("_grad") else ""
-            raise KeyError(f"{key} was not captured{hint}; the cache holds: {held}")
+            raise MissingKeyError(f"{key} was not captured{hint}; the cache holds: {held}")
         return super().__getitem__(key)
 
     def stack(self, kind: str = "pattern", layers: Sequence[int] | None = None) -> torch.Tensor:
@@ -90,12 +91,14 @@ class Capture(Modifier):
         if layer not in self.layers:
             return output
         if call.dropout > 0:
-            raise ValueError("attention dropout is active: call model.eval() before capturing attention")
+            raise InvalidValueError(
+                "attention dropout is active: call model.eval() before capturing attention"
+            )
         again = recomputing()
         q_len = query.shape[2]
         rows = torch.arange(q_len, device=query.device) if self.rows is None else self.rows.to(query.device)
         if int(rows.max()) >= q_len:
-            raise IndexError(f"captured rows {rows.tolist()} out of range for {q_len} query positions")
+            raise OutOfRangeError(f"captured rows {rows.tolist()} out of range for {q_len} query positions")
         grad = self.grad and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):
             pattern = pattern_blocks(query, call.key, rows, call.attention_mask, call.logits, self.block_size)
@@ -153,9 +156,13 @@ def trace(
     if rows is not None:
         rows = check_integers(rows, "rows").reshape(-1)
         if rows.numel() == 0 or int(rows.min()) < 0:
-            raise IndexError(f"rows must be non-empty, non-negative query positions, got {rows.tolist()}")
+            raise OutOfRangeError(
+                f"rows must be non-empty, non-negative query positions, got {rows.tolist()}"
+            )
     if grad and any(isinstance(m, Capture) and m.grad and m.layers & chosen for m in active_modifiers()):
-        raise ValueError("two traces with grad=True capture the same layer; use one trace with all rows")
+        raise InvalidValueError(
+            "two traces with grad=True capture the same layer; use one trace with all rows"
+        )
     capture = Capture(chosen, rows, grad, block_size, on_pattern, ActivationCache(n_layers(inner)))
     with modify(inner, capture):
         yield capture.cache

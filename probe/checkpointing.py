@@ -12,6 +12,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from probe.attention import Modifier, active_modifiers, with_modifiers
 from probe.checks import CACHE_KEYWORDS, UnsupportedModelError, hf_model
+from probe.errors import InvalidValueError
 
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("longprobe_recomputing", default=False)
 
@@ -71,7 +72,9 @@ def _checkpointing(forward: Callable) -> Callable:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         if any(kwargs.get(name) is not None for name in CACHE_KEYWORDS):
-            raise ValueError("checkpointing cannot write a KV cache; call the model with use_cache=False")
+            raise InvalidValueError(
+                "checkpointing cannot write a KV cache; call the model with use_cache=False"
+            )
         modifiers = active_modifiers()
         return checkpoint(
             forward,

@@ -20,9 +20,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-
-class UnsupportedModelError(TypeError):
-    """A model whose attention the capture core cannot hook."""
+from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError, UnsupportedModelError
 
 
 def hf_model(model) -> PreTrainedModel:
@@ -85,10 +83,10 @@ def check_layers(model, layers: Sequence[int] | None) -> list[int]:
     total = n_layers(model)
     layers = list(range(total)) if layers is None else check_integers(layers, "layers").reshape(-1).tolist()
     if not layers:
-        raise ValueError("layers is empty: pass None for all layers, or at least one layer index")
+        raise InvalidValueError("layers is empty: pass None for all layers, or at least one layer index")
     bad = [layer for layer in layers if not -total <= layer < total]
     if bad:
-        raise IndexError(f"layers {bad} out of range for a {total}-layer model")
+        raise OutOfRangeError(f"layers {bad} out of range for a {total}-layer model")
     return [layer % total for layer in layers]
 
 
@@ -98,19 +96,19 @@ def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Ten
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or ids.shape[0] != 1:
-        raise ValueError(f"input_ids must have shape [seq] or [1, seq], got {tuple(ids.shape)}")
+        raise InvalidValueError(f"input_ids must have shape [seq] or [1, seq], got {tuple(ids.shape)}")
     if ids.shape[1] == 0:
-        raise ValueError("input_ids is empty")
+        raise InvalidValueError("input_ids is empty")
     context = getattr(hf_model(model).config.get_text_config(), "max_position_embeddings", None)
     if context is not None and ids.shape[1] > context:
-        raise ValueError(
+        raise InvalidValueError(
             f"sequence of {ids.shape[1]} tokens is longer than the model's context of {context} tokens; "
             "truncate the input or use a model with a longer context"
         )
     vocab = hf_model(model).get_input_embeddings().num_embeddings
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         bad = ids[(ids < 0) | (ids >= vocab)].unique()[:5].tolist()
-        raise IndexError(
+        raise OutOfRangeError(
             f"token ids {bad} are outside the model's vocabulary of {vocab} ids: the tokenizer probably "
             "does not belong to this model; load both together (probe.load_model returns the pair)"
         )
@@ -122,20 +120,20 @@ def check_integers(values, what: str) -> torch.Tensor:
     bare number or string, booleans (``True`` would act as position 1) and floats (``2.5`` as 2)."""
     if isinstance(values, (str, bytes, int, float)) or values is None:
         hint = f": pass [{values}]" if isinstance(values, int) and not isinstance(values, bool) else ""
-        raise TypeError(f"{what} must be a list or tensor of integers, got {values!r}{hint}")
+        raise InvalidTypeError(f"{what} must be a list or tensor of integers, got {values!r}{hint}")
     if not torch.is_tensor(values) and any(isinstance(v, (bool, np.bool_)) for v in _flat(values)):
-        raise TypeError(f"{what} must be integers, got booleans {list(values)[:8]}")
+        raise InvalidTypeError(f"{what} must be integers, got booleans {list(values)[:8]}")
     try:
         tensor = values if torch.is_tensor(values) else torch.as_tensor(values)
     except (TypeError, ValueError, RuntimeError) as error:
-        raise TypeError(f"{what} must be a list or tensor of integers, got {values!r}") from error
+        raise InvalidTypeError(f"{what} must be a list or tensor of integers, got {values!r}") from error
     if tensor.dtype == torch.bool:
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} must be integer positions, got a boolean tensor: pass mask.nonzero().flatten() "
             "for the positions where a mask is True"
         )
     if (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel():  # [] reads as float
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} must be integers, got {tensor.dtype} values {tensor.reshape(-1)[:8].tolist()}"
         )
     return tensor.long()
@@ -158,12 +156,12 @@ def check_int(value, what: str, minimum: int | None = None, maximum: int | None 
         or (torch.is_tensor(value) and value.dtype == torch.bool)
         or not integral
     ):
-        raise TypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+        raise InvalidTypeError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         low = "" if minimum is None else f"at least {minimum}"
         high = "" if maximum is None else f"at most {maximum}"
-        raise ValueError(f"{what} must be {' and '.join(b for b in (low, high) if b)}, got {value}")
+        raise InvalidValueError(f"{what} must be {' and '.join(b for b in (low, high) if b)}, got {value}")
     return value
 
 
@@ -172,7 +170,7 @@ def check_token_flags(flags, seq: int, what: str) -> torch.Tensor:
     integers are refused (``1`` would not read as a position here, nor a position as a flag)."""
     flags = torch.as_tensor(flags).cpu()
     if flags.dtype != torch.bool or flags.shape != (seq,):
-        raise ValueError(
+        raise InvalidValueError(
             f"{what} must be a BoolTensor[{seq}], one flag per token, got {flags.dtype} {tuple(flags.shape)}"
         )
     return flags
@@ -184,15 +182,15 @@ def check_positions(
     """Positions as a sorted-as-given LongTensor[k], each in ``[minimum, seq)``, no repeats."""
     pos = check_integers(positions, what).reshape(-1)
     if pos.numel() == 0:
-        raise ValueError(f"{what} is empty; give at least one position")
+        raise InvalidValueError(f"{what} is empty; give at least one position")
     bad = pos[(pos < minimum) | (pos >= seq)]
     if bad.numel():
         hint = " (position 0 has no preceding row to predict it)" if minimum == 1 and (bad == 0).any() else ""
-        raise IndexError(
+        raise OutOfRangeError(
             f"{what} {bad.tolist()} out of range [{minimum}, {seq}) for a {seq}-token input{hint}"
         )
     if pos.unique().numel() != pos.numel():
-        raise ValueError(f"{what} contains repeated positions: {pos.tolist()}")
+        raise InvalidValueError(f"{what} contains repeated positions: {pos.tolist()}")
     return pos
 
 
@@ -224,7 +222,7 @@ def check_sample_fits(model, sample, tokenizer=None) -> None:
         return
     fix = "make the sample with this model's own tokenizer (probe.load_model returns the pair)"
     if tokenizer is not None and tokenizer_fingerprint(tokenizer)["vocab_hash"] != made["vocab_hash"]:
-        raise ValueError(
+        raise InvalidValueError(
             f"the sample was tokenized by {made['name']} ({made['vocab_size']} tokens), not by the tokenizer "
             f"given ({tokenizer_fingerprint(tokenizer)['name']}): {fix}"
         )
@@ -232,7 +230,7 @@ def check_sample_fits(model, sample, tokenizer=None) -> None:
         return
     rows = hf_model(model).get_input_embeddings().num_embeddings
     if abs(rows - made["vocab_size"]) > max(1024, 0.02 * made["vocab_size"]):
-        raise ValueError(
+        raise InvalidValueError(
             f"the sample was tokenized by {made['name']} ({made['vocab_size']} tokens), but the model has "
             f"{rows} token embeddings: {fix}"
         )

@@ -18,6 +18,7 @@ import torch
 from probe.attribution import embedding_grads
 from probe.capture import trace
 from probe.checks import check_layers, check_token_flags, hf_model, input_device
+from probe.errors import InvalidValueError
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.shared_state import frozen_parameters
 from probe.target import target_loss
@@ -49,7 +50,7 @@ def moved_tokens(sample: Sample, move: str | torch.Tensor, grads: torch.Tensor) 
     if move == "detected":
         return noise_tokens(grads.norm(dim=-1), context=sample.prompt_length)
     if move not in MOVES:
-        raise ValueError(f"move must be one of {[*MOVES, 'detected']} or a bool mask, got {move!r}")
+        raise InvalidValueError(f"move must be one of {[*MOVES, 'detected']} or a bool mask, got {move!r}")
     return torch.from_numpy(np.isin(sample.categories, MOVES[move]))
 
 

@@ -35,6 +35,7 @@ import torch
 from scipy.stats import spearmanr
 
 from probe.checks import cache_keyword, check_input_ids, check_sample_fits, hf_model
+from probe.errors import InvalidValueError
 from probe.modifiers import mask_keys, original_positions
 from probe.target import Target, target_value
 from probe.tasks import Sample, Source
@@ -78,9 +79,9 @@ def source_scores(
     ``"sum"`` or ``"max"``.
     """
     if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+        raise InvalidValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
     if not sources:
-        raise ValueError("the sample has no sources to score")
+        raise InvalidValueError("the sample has no sources to score")
     scores = token_scores.detach().float().cpu()
     return torch.stack([getattr(scores[source.start : source.end], reduce)() for source in sources])
 
@@ -90,7 +91,7 @@ def check_before_answer(hidden: torch.Tensor, first_row: int) -> None:
     keep every token from ``first_row``, the row that predicts the first answer token, on."""
     reached = hidden[:, first_row:].any(0).nonzero()[:, 0] + first_row
     if reached.numel():
-        raise ValueError(
+        raise InvalidValueError(
             f"positions {reached.tolist()[:8]} are removed but lie at or after the first answer row "
             f"({first_row}): remove only tokens before the answer (sources must lie before it)"
         )
@@ -153,19 +154,19 @@ def answer_scores(
     sources = sample.sources
     given = torch.as_tensor(removed)
     if given.dtype != torch.bool and not ((given == 0) | (given == 1)).all():
-        raise ValueError(
+        raise InvalidValueError(
             "removed must be a BoolTensor[masks, sources] (True = removed), got values other than 0 and 1 "
             "(source indices?): build it with torch.zeros(masks, len(sample.sources), dtype=torch.bool) "
             "and set the removed sources True"
         )
     removed = given.bool()
     if removed.ndim != 2 or removed.shape[1] != len(sources):
-        raise ValueError(
+        raise InvalidValueError(
             f"removed must be a BoolTensor[masks, {len(sources)}] over the sample's sources, "
             f"got shape {tuple(removed.shape)}"
         )
     if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        raise InvalidValueError(f"batch_size must be at least 1, got {batch_size}")
     inner = hf_model(model)
     compact = compaction_supported(inner) if compact is None else compact
     check_sample_fits(inner, sample)
@@ -267,7 +268,7 @@ def _known_or_run(
     found = {}
     for ablations in known:
         if ablations.removed.shape[1:] != removed.shape[1:]:
-            raise ValueError(
+            raise InvalidValueError(
                 f"known ablations are over {ablations.removed.shape[1]} sources, this sample has "
                 f"{removed.shape[1]}: pass only passes run on this sample"
             )
@@ -333,13 +334,13 @@ def evaluate(
     n_sources = len(sample.sources)
     ks = list(ks)
     if not ks or any(isinstance(k, bool) or int(k) != k or k < 1 for k in ks):
-        raise ValueError(f"ks must be a non-empty list of positive integers, got {ks}")
+        raise InvalidValueError(f"ks must be a non-empty list of positive integers, got {ks}")
     if isinstance(n_masks, bool) or int(n_masks) != n_masks or n_masks < 2:
-        raise ValueError(
+        raise InvalidValueError(
             f"n_masks must be an integer >= 2 (LDS is a rank correlation over masks), got {n_masks}"
         )
     if isinstance(ceiling_masks, bool) or int(ceiling_masks) != ceiling_masks or ceiling_masks < 0:
-        raise ValueError(f"ceiling_masks must be a non-negative integer, got {ceiling_masks}")
+        raise InvalidValueError(f"ceiling_masks must be a non-negative integer, got {ceiling_masks}")
     kept_random = random_masks(n_sources, n_masks, keep, seed)
     compact = compaction_supported(model) if compact is None else compact
     run = functools.partial(
@@ -360,12 +361,12 @@ def evaluate(
     for name, score in scores.items():
         if not torch.is_tensor(score) or score.shape != (n_sources,):
             shape = tuple(score.shape) if torch.is_tensor(score) else type(score).__name__
-            raise ValueError(
+            raise InvalidValueError(
                 f"scores[{name!r}] must be a Tensor with one value per source ({n_sources}), got {shape}"
             )
         if not torch.isfinite(score).all():
             bad = [sample.sources[i] for i in (~torch.isfinite(score)).nonzero()[:3, 0].tolist()]
-            raise ValueError(
+            raise InvalidValueError(
                 f"scores[{name!r}] holds NaN or infinite values (e.g. at sources {bad}): a ranking of them "
                 "means nothing; fix the scorer or drop it"
             )

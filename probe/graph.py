@@ -39,6 +39,7 @@ from torch import nn
 
 from probe.attribution import attention_matrices
 from probe.checks import UnsupportedModelError, check_input_ids, check_layers, hf_model, n_layers
+from probe.errors import InvalidValueError
 from probe.shared_state import frozen_parameters
 
 Mix = float | str | None
@@ -48,7 +49,9 @@ def _check_mix(mix: Mix) -> None:
     if mix is None or mix == "measured":
         return
     if isinstance(mix, bool) or not isinstance(mix, int | float) or not 0 <= mix <= 1:
-        raise ValueError(f"mix must be None (raw product), a float λ in [0, 1] or 'measured', got {mix!r}")
+        raise InvalidValueError(
+            f"mix must be None (raw product), a float λ in [0, 1] or 'measured', got {mix!r}"
+        )
 
 
 def multiply_in_place(product: torch.Tensor, factor: torch.Tensor, block_size: int = 256) -> None:
@@ -62,7 +65,9 @@ def multiply_in_place(product: torch.Tensor, factor: torch.Tensor, block_size: i
     for start in reversed(range(0, seq, block_size)):
         end = min(start + block_size, seq)
         if factor[start:end, end:].any():
-            raise ValueError("the attention pattern is not causal; the in-place product needs a causal mask")
+            raise InvalidValueError(
+                "the attention pattern is not causal; the in-place product needs a causal mask"
+            )
         product[start:end] = factor[start:end, :end] @ product[:end]
 
 
@@ -164,13 +169,13 @@ def context_selector(
     total = n_layers(model)
     layers = check_layers(model, layers)
     if not layers:
-        raise ValueError("layers is empty: give at least one layer index (or None for all)")
+        raise InvalidValueError("layers is empty: give at least one layer index (or None for all)")
     _check_mix(mix)
     n_heads = hf_model(model).config.get_text_config().num_attention_heads
     if heads != "mean" and (
         isinstance(heads, bool) or not isinstance(heads, int) or not 0 <= heads < n_heads
     ):
-        raise ValueError(f"heads must be 'mean' or a head index in [0, {n_heads}), got {heads!r}")
+        raise InvalidValueError(f"heads must be 'mean' or a head index in [0, {n_heads}), got {heads!r}")
     lams = measured_mix(model, ids).tolist() if mix == "measured" else [mix] * total
 
     product = torch.eye(ids.shape[1], dtype=torch.float64, device=ids.device)
@@ -223,7 +228,7 @@ def selector_rows(
     lams = [1.0] * n_layers if mix is None else mix if not isinstance(mix, int | float) else [mix] * n_layers
     lams = torch.as_tensor(lams, dtype=torch.float64).tolist()
     if len(lams) != n_layers:
-        raise ValueError(f"mix has {len(lams)} values for {n_layers} layers")
+        raise InvalidValueError(f"mix has {len(lams)} values for {n_layers} layers")
     row = torch.zeros(attention.shape[0], dtype=torch.float64)
     row[-1] = 1.0
     rows = []
@@ -291,7 +296,7 @@ def sink_rate(attention: torch.Tensor, mask: torch.Tensor, tau: float = 0.2) -> 
     bool, the graph ``G`` (True where query i may attend to key j).
     """
     if attention.shape[-2:] != mask.shape:
-        raise ValueError(f"mask {tuple(mask.shape)} does not match attention {tuple(attention.shape)}")
+        raise InvalidValueError(f"mask {tuple(mask.shape)} does not match attention {tuple(attention.shape)}")
     above = ((attention > tau) & mask).float().sum(-2)  # [..., layers, seq]
     return (above / mask.sum(0).clamp(min=1)).flatten(0, -2).mean(0)
 

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import torch
 
 from probe.checks import check_input_ids, check_int, check_positions, check_token_flags, hf_model
+from probe.errors import InvalidValueError
 from probe.faithfulness import check_before_answer, compacted, compaction_supported
 from probe.modifiers import bias_keys, mask_keys
 from probe.planner import guarded
@@ -68,15 +69,15 @@ def key_removal_gradient(
     """
     depth = float(depth)
     if not depth >= 0:
-        raise ValueError(f"depth must be a bias depth >= 0 (0: the gradient at b = 0), got {depth}")
+        raise InvalidValueError(f"depth must be a bias depth >= 0 (0: the gradient at b = 0), got {depth}")
     steps = check_int(steps, "steps", minimum=1)
     presence = float(presence)
     if not 0 < presence <= 1:
-        raise ValueError(f"presence must be a weight in (0, 1] (1: the full context), got {presence}")
+        raise InvalidValueError(f"presence must be a weight in (0, 1] (1: the full context), got {presence}")
     if presence < 1 and sources is None:
-        raise ValueError("presence < 1 weighs the sources' keys: pass sources=[(start, end), ...]")
+        raise InvalidValueError("presence < 1 weighs the sources' keys: pass sources=[(start, end), ...]")
     if depth == 0 and steps != 1:
-        raise ValueError("steps > 1 needs depth > 0: the gradient at b = 0 is one pass")
+        raise InvalidValueError("steps > 1 needs depth > 0: the gradient at b = 0 is one pass")
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)
     inner = hf_model(model)
@@ -124,8 +125,8 @@ def removal_units(sources: Sequence[tuple[int, int]], seq: int) -> torch.Tensor:
     for index, (start, end) in enumerate(sources):
         start, end = check_int(start, f"sources[{index}] start"), check_int(end, f"sources[{index}] end")
         if not 0 <= start < end <= seq:
-            raise ValueError(f"sources[{index}] = ({start}, {end}) is not a span of the {seq} tokens")
+            raise InvalidValueError(f"sources[{index}] = ({start}, {end}) is not a span of the {seq} tokens")
         if (units[start:end] >= seq).any():
-            raise ValueError(f"sources[{index}] = ({start}, {end}) overlaps an earlier span")
+            raise InvalidValueError(f"sources[{index}] = ({start}, {end}) overlaps an earlier span")
         units[start:end] = seq + index
     return units

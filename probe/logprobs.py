@@ -28,6 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from probe.checks import check_input_ids, check_positions, hf_model
+from probe.errors import InvalidValueError
 
 __all__ = [
     "BATCH_TOKENS",
@@ -123,7 +124,7 @@ def long_logprobs(
         target_positions = check_positions(target_positions, seq, "target_positions", minimum=1)
     target_positions = target_positions.to(ids.device)
     if seq < 2:
-        raise ValueError("a 1-token sequence has no token to predict")
+        raise InvalidValueError("a 1-token sequence has no token to predict")
     hidden = final_hidden_states(model, ids)[0]
     scores = target_logprobs(model, hidden[target_positions - 1], ids[0, target_positions])
     return _scattered(scores, target_positions, seq)
@@ -137,10 +138,10 @@ def short_context_blocks(seq: int, K: int, d: int, official: bool = False) -> li
     token with a truncated context); ``official=True``: at token K with window start 0.
     """
     if K < 1 or d < 1:
-        raise ValueError(f"K and d must be positive, got K={K}, d={d}")
+        raise InvalidValueError(f"K and d must be positive, got K={K}, d={d}")
     first = K if official else K + 1
     if seq <= first:
-        raise ValueError(
+        raise InvalidValueError(
             f"a {seq}-token sequence has no token at position ≥ {first}, so no token gets a short-context "
             f"score with K={K}; use K < {seq - (0 if official else 1)} or a longer text"
         )

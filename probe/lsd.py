@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from probe import alignment, logprobs
 from probe.checks import hf_model
+from probe.errors import InvalidValueError
 from probe.results import read_json, write_json
 
 __all__ = [
@@ -330,7 +331,7 @@ def longppl(
     the model's name.
     """
     if evaluator is not None and evaluator is not model and evaluator_tokenizer is None:
-        raise ValueError("an evaluator model needs its evaluator_tokenizer")
+        raise InvalidValueError("an evaluator model needs its evaluator_tokenizer")
     reuse = key_tokens is None and (evaluator is None or evaluator is model)
     if key_tokens is None:
         evaluator = model if evaluator is None else evaluator
@@ -338,7 +339,7 @@ def longppl(
             text, evaluator, evaluator_tokenizer or tokenizer, K, d, alpha, beta, gamma, official
         )
     elif key_tokens.text != text:
-        raise ValueError("key_tokens were computed for a different text")
+        raise InvalidValueError("key_tokens were computed for a different text")
     ids, offsets = alignment.encode(tokenizer, text, add_special_tokens=not official)
     same_tokens = torch.equal(ids, key_tokens.input_ids)
     lcl = key_tokens.lcl if reuse and same_tokens else logprobs.long_logprobs(model, ids).target.cpu()
@@ -377,7 +378,7 @@ def pool_longppl(results: Sequence[LongPPLResult]) -> LongPPLResult:
     results count their documents) and no key spans.
     """
     if not results:
-        raise ValueError("pool_longppl needs at least one result")
+        raise InvalidValueError("pool_longppl needs at least one result")
 
     def shared(result: LongPPLResult) -> dict[str, Any]:
         return {k: v for k, v in result.settings.items() if k != "documents"}
@@ -385,7 +386,7 @@ def pool_longppl(results: Sequence[LongPPLResult]) -> LongPPLResult:
     settings = shared(results[0])
     differ = sorted({k for r in results for k, _ in shared(r).items() ^ settings.items()})
     if differ:
-        raise ValueError(f"results with different settings cannot be pooled; they differ in {differ}")
+        raise InvalidValueError(f"results with different settings cannot be pooled; they differ in {differ}")
     counts = ("n_predicted", "n_key_tokens", "n_tokens")
     sums = ("nll_sum", "key_nll_sum", "soft_nll_sum", "soft_weight_sum")
     return LongPPLResult(

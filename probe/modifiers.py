@@ -28,6 +28,7 @@ from probe.attention import (
     not_reached,
 )
 from probe.checks import check_int, check_integers, check_layers, hf_model
+from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError
 
 if TYPE_CHECKING:
     from probe.shapes import Shapes
@@ -85,12 +86,12 @@ class KeyMask(Modifier):
         """Key ``kv`` is visible to query ``q`` unless hidden (a hidden key still sees itself)."""
         hidden, batch_size, kv_end = self.hidden, frame.batch_size, frame.kv_end
         if hidden.shape[0] not in (1, batch_size):
-            raise ValueError(
+            raise InvalidValueError(
                 f"mask_keys got masks for {hidden.shape[0]} sequences, the forward has {batch_size}"
             )
         if hidden[:, kv_end:].any():
             beyond = (hidden[:, kv_end:].any(0).nonzero().flatten() + kv_end).tolist()[:8]
-            raise IndexError(
+            raise OutOfRangeError(
                 f"mask_keys hides positions {beyond} beyond the {kv_end} tokens the forward holds"
             )
         padded = torch.zeros(batch_size, max(kv_end, hidden.shape[1]), dtype=torch.bool, device=frame.device)
@@ -114,12 +115,12 @@ class OriginalPositions(Modifier):
         """The positions as [batch, kv] on ``device``, checked to cover the keys."""
         positions = self.positions
         if positions.shape[0] not in (1, batch_size):
-            raise ValueError(
+            raise InvalidValueError(
                 f"original_positions got positions for {positions.shape[0]} sequences, "
                 f"the forward has {batch_size}"
             )
         if positions.shape[1] < kv_end:
-            raise ValueError(
+            raise InvalidValueError(
                 f"original_positions holds {positions.shape[1]} positions but the keys reach index "
                 f"{kv_end - 1}: "
                 "give one position for every token of the cache and of the input"
@@ -205,7 +206,9 @@ def check_heads(inner, heads: Iterable[tuple[int, int]]) -> dict[int, list[int]]
     for layer, head in heads:
         (layer,) = check_layers(inner, [check_int(layer, "the layer of a (layer, head) pair")])
         if not 0 <= check_int(head, "the head of a (layer, head) pair") < config.num_attention_heads:
-            raise IndexError(f"head {head} out of range for {config.num_attention_heads} query heads a layer")
+            raise OutOfRangeError(
+                f"head {head} out of range for {config.num_attention_heads} query heads a layer"
+            )
         by_layer.setdefault(layer, []).append(head)
     return by_layer
 
@@ -238,7 +241,7 @@ def mask_keys(model, positions: Sequence[int] | torch.Tensor) -> Iterator[None]:
     """
     if torch.is_tensor(positions) and positions.dtype == torch.bool:
         if positions.ndim != 2:
-            raise ValueError(
+            raise InvalidValueError(
                 "a boolean key mask must be [batch, seq] (True = hidden), got shape "
                 f"{tuple(positions.shape)}; for a list of positions pass integers"
             )
@@ -246,13 +249,15 @@ def mask_keys(model, positions: Sequence[int] | torch.Tensor) -> Iterator[None]:
     else:
         positions = check_integers(positions, "key positions").reshape(-1)
         if positions.numel() and int(positions.min()) < 0:
-            raise IndexError(f"key positions must be non-negative, got {positions.tolist()}")
+            raise OutOfRangeError(f"key positions must be non-negative, got {positions.tolist()}")
         hidden = torch.zeros(1, int(positions.max()) + 1 if positions.numel() else 0, dtype=torch.bool)
         hidden[0, positions] = True
     inner = hf_model(model)
     context = getattr(inner.config.get_text_config(), "max_position_embeddings", None)
     if context is not None and hidden.shape[1] > context:
-        raise IndexError(f"key positions up to {hidden.shape[1] - 1} exceed the model's context of {context}")
+        raise OutOfRangeError(
+            f"key positions up to {hidden.shape[1] - 1} exceed the model's context of {context}"
+        )
     with modify(inner, KeyMask(hidden)):
         yield
 
@@ -272,13 +277,17 @@ def original_positions(model, positions: torch.Tensor) -> Iterator[None]:
     """
     positions = torch.as_tensor(positions)
     if positions.dtype in (torch.bool,) or positions.is_floating_point():
-        raise TypeError(f"positions must be an integer tensor, got {positions.dtype}")
+        raise InvalidTypeError(f"positions must be an integer tensor, got {positions.dtype}")
     if positions.ndim == 1:
         positions = positions[None]
     if positions.ndim != 2 or not bool((positions.diff(dim=1) > 0).all()):
-        raise ValueError("positions must be LongTensor[batch or 1, kv], strictly increasing along each row")
+        raise InvalidValueError(
+            "positions must be LongTensor[batch or 1, kv], strictly increasing along each row"
+        )
     if any(POSITIONS in modifier.changes for modifier in active_modifiers()):
-        raise ValueError("original_positions is already active: the positions of one forward are one map")
+        raise InvalidValueError(
+            "original_positions is already active: the positions of one forward are one map"
+        )
     with modify(model, OriginalPositions(positions.long())):
         yield
 
@@ -298,14 +307,14 @@ def bias_keys(model, bias: torch.Tensor, units: torch.Tensor | None = None) -> I
     captures and the other modifiers (a trace sees the biased attention).
     """
     if not torch.is_tensor(bias) or not bias.is_floating_point():
-        raise TypeError("bias must be a floating-point tensor [batch or 1, seq]")
+        raise InvalidTypeError("bias must be a floating-point tensor [batch or 1, seq]")
     bias = bias[None] if bias.ndim == 1 else bias
     if bias.ndim != 2:
-        raise ValueError(f"bias must be Tensor[batch or 1, seq], got shape {tuple(bias.shape)}")
+        raise InvalidValueError(f"bias must be Tensor[batch or 1, seq], got shape {tuple(bias.shape)}")
     if units is not None and (
         not torch.is_tensor(units) or units.dtype != torch.long or units.shape != bias.shape[-1:]
     ):
-        raise ValueError(f"units must be a LongTensor[{bias.shape[-1]}], one removal unit per token")
+        raise InvalidValueError(f"units must be a LongTensor[{bias.shape[-1]}], one removal unit per token")
     with modify(model, KeyBias(bias, units)):
         yield
 

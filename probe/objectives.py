@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from probe.attribution import embedding_grads
 from probe.checks import check_input_ids, check_positions, hf_model
+from probe.errors import InvalidValueError
 from probe.logprobs import final_hidden_states, short_logprobs, target_logprobs
 from probe.lsd import soft_influence
 from probe.planner import guarded
@@ -108,7 +109,7 @@ def critical_tokens(grad_norms: torch.Tensor, context: int | None = None) -> tor
     """
     context = len(grad_norms) if context is None else context
     if not 0 < context <= len(grad_norms):
-        raise ValueError(f"context must be in [1, {len(grad_norms)}], got {context}")
+        raise InvalidValueError(f"context must be in [1, {len(grad_norms)}], got {context}")
     critical = torch.zeros(len(grad_norms), dtype=torch.bool, device=grad_norms.device)
     critical[:context] = grad_norms[:context] >= grad_norms[:context].mean()
     return critical
@@ -137,7 +138,7 @@ def denoised_embeddings(
     The paper sets β = 5.
     """
     if embeds.shape != grads.shape or move.shape != embeds.shape[:1]:
-        raise ValueError(
+        raise InvalidValueError(
             f"embeds {tuple(embeds.shape)}, grads {tuple(grads.shape)} and move {tuple(move.shape)} "
             "must be [seq, hidden], [seq, hidden] and [seq]"
         )
@@ -206,7 +207,7 @@ def sequence_logprob(
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
     response = torch.as_tensor(response_ids, dtype=torch.long).reshape(-1)
     if prompt.numel() == 0 or response.numel() == 0:
-        raise ValueError("prompt and response each need at least one token")
+        raise InvalidValueError("prompt and response each need at least one token")
     ids = check_input_ids(model, torch.cat([prompt, response]))
     targets = torch.arange(len(prompt), ids.shape[1], device=ids.device)
     return -target_loss(model, ids, targets) * len(response), len(response)
@@ -247,7 +248,7 @@ def logo_loss(
         or rejected_logps.shape[:1] != batch
         or rejected_lengths.shape != rejected_logps.shape
     ):
-        raise ValueError(
+        raise InvalidValueError(
             "chosen_logps and chosen_lengths must be [batch], rejected_logps and rejected_lengths "
             f"[batch, M]; got {tuple(chosen_logps.shape)}, {tuple(chosen_lengths.shape)}, "
             f"{tuple(rejected_logps.shape)}, {tuple(rejected_lengths.shape)}"

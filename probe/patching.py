@@ -22,6 +22,7 @@ from probe.attention import OUTPUTS, LayerCall, Modifier, modify
 from probe.capture import HOOK_NAMES, ActivationCache
 from probe.checkpointing import recomputing
 from probe.checks import check_layers, hf_model, n_layers
+from probe.errors import InvalidTypeError, InvalidValueError, MissingKeyError
 from probe.modifiers import HeadModifier, check_heads
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class HeadPatch(HeadModifier):
             return output
         source = self.source["z", call.layer]
         if source.shape[1:] != output.shape[1:] or source.shape[0] not in (1, output.shape[0]):
-            raise ValueError(
+            raise InvalidValueError(
                 f"patch_heads: layer {call.layer}'s recorded head outputs have shape {tuple(source.shape)}, "
                 f"this forward's {tuple(output.shape)} [batch, seq, heads, head_dim]: patch a forward over "
                 "the same number of tokens as the recorded run, without a KV cache"
@@ -99,13 +100,13 @@ def patch_heads(model, source_cache: ActivationCache, heads: Iterable[tuple[int,
     inner = hf_model(model)
     by_layer = check_heads(inner, heads)
     if not isinstance(source_cache, ActivationCache):
-        raise TypeError(
+        raise InvalidTypeError(
             "source_cache must be the ActivationCache of probe.record_heads(model), "
             f"got {type(source_cache).__name__}"
         )
     missing = [layer for layer in by_layer if HOOK_NAMES["z"].format(layer=layer) not in source_cache]
     if missing:
-        raise KeyError(
+        raise MissingKeyError(
             f"source_cache holds no head outputs of layers {missing}: record the source run inside "
             "probe.record_heads(model) (with those layers)"
         )

@@ -97,6 +97,7 @@ from transformers import PretrainedConfig
 from probe.attention import EXACT_BLOCK, Modifier, active_modifiers, runs_in_bands
 from probe.checkpointing import checkpointed
 from probe.checks import input_device
+from probe.errors import InsufficientMemoryError, InvalidValueError, OutOfRangeError
 from probe.memory import (
     CHECKPOINT_HEAP_HOLES,
     MMAP_THRESHOLD_MAX,
@@ -136,18 +137,6 @@ PROBES = (*GRAD_PROBES, "embedding_grad_norms", "attention_rows", "forward")
 _ALIASES = {"embedding_grad_norms": "embedding_grads"}
 
 _GIB = 2**30
-
-
-class InsufficientMemoryError(MemoryError):
-    """The planner's prediction that a call would not fit in the free memory, raised before any
-    allocation (a :class:`MemoryError`, so ``except MemoryError`` still catches it; an allocator's own
-    out-of-memory error is never this one). ``plan``: the :class:`Plan` that did not fit;
-    ``available``: the free bytes it was compared with."""
-
-    def __init__(self, message: str, plan: Plan, available: int):
-        super().__init__(message)
-        self.plan = plan
-        self.available = available
 
 
 @dataclass(frozen=True)
@@ -246,9 +235,9 @@ def plan(
     """
     name = _ALIASES.get(probe, probe)
     if name not in PROBES:
-        raise ValueError(f"unknown probe {probe!r}; plan one of {', '.join(PROBES)}")
+        raise InvalidValueError(f"unknown probe {probe!r}; plan one of {', '.join(PROBES)}")
     if seq_len < 1 or rows < 1 or batch < 1:
-        raise ValueError(f"seq_len, rows and batch must be positive, got {seq_len}, {rows}, {batch}")
+        raise InvalidValueError(f"seq_len, rows and batch must be positive, got {seq_len}, {rows}, {batch}")
     shapes = model if isinstance(model, Shapes) else Shapes.of(model)
     captured = _check_layers(layers, shapes.layers)
     masked = any(modifier.masks_every_layer(shapes, modifiers) for modifier in modifiers)
@@ -281,7 +270,7 @@ def _check_layers(layers: Sequence[int] | None, total: int) -> list[int]:
     chosen = list(range(total)) if layers is None else list(layers)
     bad = [layer for layer in chosen if not -total <= layer < total]
     if bad or not chosen:
-        raise IndexError(f"layers {bad or chosen} out of range for a {total}-layer model")
+        raise OutOfRangeError(f"layers {bad or chosen} out of range for a {total}-layer model")
     return sorted({layer % total for layer in chosen})
 
 
@@ -451,7 +440,7 @@ def guard(
     elif isinstance(checkpoint, bool):
         resolved = checkpoint
     else:
-        raise ValueError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
+        raise InvalidValueError(f"checkpoint must be True, False or 'auto', got {checkpoint!r}")
     plan(model, seq_len, probe, rows, batch, resolved, layers, modifiers).check(
         available if available is not None else 2**62
     )

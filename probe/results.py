@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import pandas as pd
 
+from probe.errors import InvalidValueError
+
 
 @runtime_checkable
 class Result(Protocol):
@@ -63,11 +65,15 @@ def read_json(path: str | Path, what: str, keys: Sequence[str] = ()) -> Any:
     try:
         record = json.loads(Path(path).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a {what} file: it is not JSON ({error}); {expected}") from None
+        raise InvalidValueError(
+            f"{path} is not a {what} file: it is not JSON ({error}); {expected}"
+        ) from None
     if not isinstance(record, dict):
-        raise ValueError(f"{path} is not a {what} file: it holds a JSON {type(record).__name__}; {expected}")
+        raise InvalidValueError(
+            f"{path} is not a {what} file: it holds a JSON {type(record).__name__}; {expected}"
+        )
     missing = sorted(set(keys) - set(record))
     if missing:
         has = sorted(record)[:8]
-        raise ValueError(f"{path} is not a {what} file: it lacks {missing} (has {has}); {expected}")
+        raise InvalidValueError(f"{path} is not a {what} file: it lacks {missing} (has {has}); {expected}")
     return record

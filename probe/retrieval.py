@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from probe import views
 from probe.capture import trace
 from probe.checks import cache_keyword, check_input_ids, hf_model, n_layers
+from probe.errors import InvalidValueError
 from probe.results import read_json, write_json
 from probe.shared_state import frozen_parameters
 from probe.tasks import Sample
@@ -49,7 +50,7 @@ def needle_answer_positions(sample: Sample) -> list[torch.Tensor]:
             tokens = torch.nonzero((offsets[:, 0] < last) & (offsets[:, 1] > first)).flatten()
             occurrences.append(tokens)
     if not occurrences:
-        raise ValueError(
+        raise InvalidValueError(
             f"the gold answer {sample.answer!r} does not occur in the supporting spans of this "
             f"{sample.task!r} sample; retrieval scores need a needle that states its answer"
         )
@@ -141,11 +142,11 @@ class RetrievalScores:
         processes). The results must share their settings and [layers, heads] shape.
         """
         if not results:
-            raise ValueError("concat needs at least one RetrievalScores")
+            raise InvalidValueError("concat needs at least one RetrievalScores")
         first = results[0]
         for other in results[1:]:
             if other.settings != first.settings or other.scores.shape[1:] != first.scores.shape[1:]:
-                raise ValueError(
+                raise InvalidValueError(
                     f"cannot concatenate results with settings {first.settings} and {other.settings}, "
                     f"[layers, heads] {list(first.scores.shape[1:])} and {list(other.scores.shape[1:])}"
                 )
@@ -182,7 +183,7 @@ class RetrievalScores:
                 [torch.tensor(argmax, dtype=torch.long) for argmax in record["argmax"]],
             )
         if not record or not all(re.fullmatch(r"\d+-\d+", key) for key in record):
-            raise ValueError(
+            raise InvalidValueError(
                 f"{path} is not a RetrievalScores file: expected 'scores', 'trials' and 'settings' "
                 "(RetrievalScores.save()) or Wu et al.'s layout, 'layer-head' keys such as '12-3', "
                 f"got keys {sorted(record)[:8]}"
@@ -191,7 +192,7 @@ class RetrievalScores:
         layers, heads = max(k[0] for k in keys) + 1, max(k[1] for k in keys) + 1
         trials = {len(values) for values in record.values()}
         if len(trials) != 1:
-            raise ValueError(f"{path}: heads list different numbers of trials {sorted(trials)}")
+            raise InvalidValueError(f"{path}: heads list different numbers of trials {sorted(trials)}")
         scores = torch.zeros(trials.pop(), layers, heads)
         for (layer, head), values in zip(keys, record.values(), strict=True):
             scores[:, layer, head] = torch.tensor(values)
@@ -215,7 +216,7 @@ def decode_with_argmax(
     inner = hf_model(model)
     ids = check_input_ids(model, prompt_ids)
     if ids.shape[1] < 2:
-        raise ValueError("the prompt needs at least 2 tokens (one to prefill, one to decode from)")
+        raise InvalidValueError("the prompt needs at least 2 tokens (one to prefill, one to decode from)")
     with frozen_parameters(inner):
         keyword = cache_keyword(inner)
         cache = inner(input_ids=ids[:, :-1], use_cache=True, logits_to_keep=1)[keyword]
@@ -264,7 +265,7 @@ def retrieval_scores(
     :meth:`RetrievalScores.mean` and the JSON; per-trial scores of all trials are kept.
     """
     if not samples:
-        raise ValueError("retrieval_scores needs at least one needle sample")
+        raise InvalidValueError("retrieval_scores needs at least one needle sample")
     scores, argmaxes, rows = [], [], []
     for sample in tqdm(samples, desc="retrieval trials", disable=not progress):
         needles = needle_answer_positions(sample)

@@ -16,6 +16,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from probe.checks import UnsupportedModelError, hf_model
+from probe.errors import InvalidValueError
 
 __all__ = ["rope_base"]
 
@@ -40,7 +41,7 @@ def rope_base(model, factor: float, layer_types: Sequence[str] = ("full_attentio
     same objects). ``factor=1``: unchanged. Nests with itself and with the attention modifiers.
     """
     if not factor > 0:
-        raise ValueError(f"the RoPE base factor must be positive, got {factor}")
+        raise InvalidValueError(f"the RoPE base factor must be positive, got {factor}")
     if factor == 1:
         yield
         return
@@ -51,7 +52,7 @@ def rope_base(model, factor: float, layer_types: Sequence[str] = ("full_attentio
     for module in embeddings:
         unknown = set(layer_types) - set(module.rope_type) if isinstance(module.rope_type, dict) else set()
         if unknown:
-            raise ValueError(
+            raise InvalidValueError(
                 f"unknown layer types {sorted(unknown)}; the model has {sorted(module.rope_type)}"
             )
     configs = list({id(module.config): module.config for module in embeddings}.values())

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from probe.checks import hf_model
+from probe.errors import InvalidTypeError, InvalidValueError
 
 Target = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -43,7 +44,7 @@ class Contrast:
     def __call__(self, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
         foil = torch.as_tensor(self.foil, dtype=torch.long).reshape(-1)
         if foil.shape != answer.shape:
-            raise ValueError(
+            raise InvalidValueError(
                 f"the foil has {foil.numel()} tokens, the answer {answer.numel()}: a contrast compares "
                 "two answers token by token at the same rows; use foils of the answer's token length"
             )
@@ -55,7 +56,7 @@ def resolve(target: Target | None) -> Target:
     if target is None:
         return answer_logprob
     if not callable(target):
-        raise TypeError(
+        raise InvalidTypeError(
             f"target must be None (the answer's log-probability), probe.target.Contrast(foil) or a "
             f"callable (logits [k, vocab], answer [k]) -> 0-d tensor, got {target!r}"
         )
@@ -66,7 +67,7 @@ def target_value(target: Target | None, logits: torch.Tensor, answer: torch.Tens
     """The target of one sequence's answer rows (``logits`` [k, vocab] upcast to at least fp32)."""
     value = resolve(target)(logits.to(torch.promote_types(logits.dtype, torch.float32)), answer)
     if not (torch.is_tensor(value) and value.ndim == 0):
-        raise TypeError(f"a target must return a 0-d tensor, got {value!r}")
+        raise InvalidTypeError(f"a target must return a 0-d tensor, got {value!r}")
     return value
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from probe.errors import InvalidValueError
 from probe.results import atomic_write
 
 COLOURS = {
@@ -95,7 +96,7 @@ def _shades(scores, context: int, n: int) -> np.ndarray | None:
         return None
     values = np.asarray(scores, dtype=float).reshape(-1)
     if len(values) != n:
-        raise ValueError(f"{len(values)} scores for a {n}-token sample: give one score per token")
+        raise InvalidValueError(f"{len(values)} scores for a {n}-token sample: give one score per token")
     finite = values[:context][np.isfinite(values[:context])]
     if finite.size == 0:
         return np.zeros(n)

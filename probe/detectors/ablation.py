@@ -13,6 +13,7 @@ import torch
 
 from probe.detectors.registry import Detection, options, register, spread_over_tokens
 from probe.detectors.run import detect
+from probe.errors import InvalidValueError
 from probe.faithfulness import AnswerScores, answer_scores, lds, random_masks
 from probe.target import Target
 from probe.tasks import Sample
@@ -58,11 +59,15 @@ def leave_one_out(
     """
     n_sources = len(sample.sources)
     if top_m is not None and block > 1:
-        raise ValueError("choose one way to prune leave-one-out: top_m or block > 1, not both")
+        raise InvalidValueError("choose one way to prune leave-one-out: top_m or block > 1, not both")
     if block < 1 or refine < 0 or (top_m is not None and top_m < 1):
-        raise ValueError(f"block must be >= 1, refine >= 0 and top_m >= 1, got {block}, {refine}, {top_m}")
+        raise InvalidValueError(
+            f"block must be >= 1, refine >= 0 and top_m >= 1, got {block}, {refine}, {top_m}"
+        )
     if ranking is not None and top_m is None:
-        raise ValueError("ranking prunes leave-one-out to its top_m sources: give top_m too (or no ranking)")
+        raise InvalidValueError(
+            "ranking prunes leave-one-out to its top_m sources: give top_m too (or no ranking)"
+        )
     none = torch.zeros(1, n_sources, dtype=torch.bool)
     settings = {
         "reuse_prefix": reuse_prefix,
@@ -80,7 +85,7 @@ def leave_one_out(
             explained = {"target": target} if "target" in options(rank_by) else {}
             ranking = detect(rank_by, model, tokenizer, sample, **explained).source_scores(sample)
         if ranking.shape != (n_sources,):
-            raise ValueError(
+            raise InvalidValueError(
                 f"ranking must hold one score per source ({n_sources}), got shape {tuple(ranking.shape)}"
             )
         cheap = ranking.float().cpu()

@@ -22,6 +22,7 @@ import torch
 
 from probe import views
 from probe.checks import check_sample_fits
+from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import source_scores
 from probe.results import read_json, write_json
 from probe.target import describe
@@ -55,7 +56,9 @@ class Detection:
     def _view(self, sample: Sample | None) -> str:
         sample = sample if sample is not None else self.sample
         if sample is None:
-            raise ValueError("this detection carries no sample (loaded from a file?): pass show(sample=...)")
+            raise InvalidValueError(
+                "this detection carries no sample (loaded from a file?): pass show(sample=...)"
+            )
         return views.token_view(sample, self.scores, f"{self.name or 'detection'} scores")
 
     def show(self, sample: Sample | None = None):
@@ -79,7 +82,7 @@ class Detection:
             return self.details["source_scores"].float()
         sample = sample if sample is not None else self.sample
         if sample is None:
-            raise ValueError("this detection carries no sample (loaded from a file?): pass the sample")
+            raise InvalidValueError("this detection carries no sample (loaded from a file?): pass the sample")
         return source_scores(self.scores, sample.sources, reduce)
 
     def to_frame(self, tokenizer=None, sample: Sample | None = None, rows: str | None = None) -> pd.DataFrame:
@@ -90,7 +93,7 @@ class Detection:
         if rows == "source":
             return self._source_frame(sample if sample is not None else self.sample)
         if rows != "token":
-            raise ValueError(f"rows must be 'token' or 'source', got {rows!r}")
+            raise InvalidValueError(f"rows must be 'token' or 'source', got {rows!r}")
         sample = sample if sample is not None or tokenizer is None else self.sample
         frame = pd.DataFrame(
             {
@@ -107,7 +110,7 @@ class Detection:
 
     def _source_frame(self, sample: Sample | None) -> pd.DataFrame:
         if sample is None:
-            raise ValueError("a per-source frame needs the sample: pass to_frame(sample=...)")
+            raise InvalidValueError("a per-source frame needs the sample: pass to_frame(sample=...)")
         scores = self.source_scores(sample).numpy()
         frame = pd.DataFrame(
             {
@@ -163,9 +166,9 @@ def register(name: str) -> Callable[[Detector], Detector]:
 
     def add(fn: Detector) -> Detector:
         if name in _REGISTRY:
-            raise ValueError(f"a detector named {name!r} is already registered")
+            raise InvalidValueError(f"a detector named {name!r} is already registered")
         if list(inspect.signature(fn).parameters)[:3] != ["model", "tokenizer", "sample"]:
-            raise TypeError(f"detector {name!r} must take (model, tokenizer, sample, **options)")
+            raise InvalidTypeError(f"detector {name!r} must take (model, tokenizer, sample, **options)")
 
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
@@ -215,20 +218,20 @@ def names() -> list[str]:
 def options(name: str) -> list[str]:
     """The options detector ``name`` accepts (beyond model, tokenizer and sample)."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
+        raise InvalidValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
     return list(inspect.signature(_REGISTRY[name]).parameters)[3:]
 
 
 def check_detection_of(detection: Detection, sample: Sample) -> None:
     """Refuse a detection made for another sample, or with NaN scores (they would rank as numbers)."""
     if len(detection.scores) != len(sample.input_ids):
-        raise ValueError(
+        raise InvalidValueError(
             f"detection {detection.name!r} has {len(detection.scores)} token scores but the sample has "
             f"{len(sample.input_ids)} tokens: it was made for another sample"
         )
     nan = torch.isnan(detection.scores[: sample.prompt_length].float()).nonzero().flatten()
     if nan.numel():
-        raise ValueError(
+        raise InvalidValueError(
             f"detection {detection.name!r} has NaN scores at context positions {nan[:8].tolist()}: NaN "
             "cannot be ranked; fix or drop the detector (a division by zero or an overflow in its scores?)"
         )

@@ -26,6 +26,7 @@ from probe.detectors.one_pass import (
     _information_flow_from,
 )
 from probe.detectors.registry import Detection, _on_cpu, _with_target
+from probe.errors import InvalidValueError
 from probe.target import Contrast, describe
 from probe.tasks import Sample
 
@@ -47,7 +48,9 @@ def detect(
     (:func:`detect_many`).
     """
     if name not in registry._REGISTRY:
-        raise ValueError(f"unknown detector {name!r}; registered detectors: {', '.join(registry._REGISTRY)}")
+        raise InvalidValueError(
+            f"unknown detector {name!r}; registered detectors: {', '.join(registry._REGISTRY)}"
+        )
     if not isinstance(sample, Sample):
         return [found[name] for found in detect_many([name], model, tokenizer, sample, {name: options})]
     return registry._REGISTRY[name](model, tokenizer, sample, **options)
@@ -76,14 +79,18 @@ def attribute(
     rank) and whose view shows the text; :func:`probe.faithfulness.evaluate` and every metric take it.
     """
     if method not in registry._REGISTRY:
-        raise ValueError(f"unknown method {method!r}; registered detectors: {', '.join(registry._REGISTRY)}")
+        raise InvalidValueError(
+            f"unknown method {method!r}; registered detectors: {', '.join(registry._REGISTRY)}"
+        )
     if response is None:
         from probe.generation import answer
 
         prompt = Sample.from_text(tokenizer, context, query, None, sources, chat)
         response = answer(model, tokenizer, prompt, max_new_tokens)
         if not response:
-            raise ValueError("the model's greedy answer is empty: pass response=... to explain a given one")
+            raise InvalidValueError(
+                "the model's greedy answer is empty: pass response=... to explain a given one"
+            )
     sample = Sample.from_text(tokenizer, context, query, response, sources, chat)
     return dataclasses.replace(detect(method, model, tokenizer, sample, **options), rows="source")
 
@@ -139,7 +146,7 @@ def detect_many(
     options = dict(options or {})
     unknown = [name for name in [*names, *options] if name not in registry._REGISTRY]
     if unknown:
-        raise ValueError(
+        raise InvalidValueError(
             f"unknown detectors {unknown}; registered detectors: {', '.join(registry._REGISTRY)}"
         )
     shared = {name: _settings(name, model, options.get(name, {})) for name in names if name in SHARED_PASS}
@@ -154,7 +161,9 @@ def detect_many(
     given = [options.get(name, {}).get("target") for name in explaining]
     chosen = {describe(t) if t is None or isinstance(t, Contrast) else id(t): t for t in given}
     if len(chosen) > 1:
-        raise ValueError("the detectors of one shared pass explain one target: give each the same target=")
+        raise InvalidValueError(
+            "the detectors of one shared pass explain one target: give each the same target="
+        )
     (target,) = chosen.values() if chosen else (None,)
     attributions, start = [None] * len(samples), time.perf_counter()
     if layers:

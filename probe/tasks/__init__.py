@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from probe.errors import InvalidValueError
 from probe.tasks.document import document
 from probe.tasks.haystack import Depth
 from probe.tasks.key_token import key_token
@@ -74,9 +75,9 @@ def make(
     any task). See the module docstring for ``options``.
     """
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+        raise InvalidValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
     if not isinstance(length, int | np.integer) or length <= 0:
-        raise ValueError(f"length must be a positive number of tokens, got {length!r}")
+        raise InvalidValueError(f"length must be a positive number of tokens, got {length!r}")
     depth = depth if depth is None or np.isscalar(depth) else tuple(depth)
     settings = dict(task=task, length=int(length), seed=seed, depth=depth, options=options)
     if task in SCORED_BY_MODEL:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from probe.errors import InvalidValueError
+
 
 @dataclass(frozen=True)
 class Config:
@@ -53,7 +55,9 @@ class InContextClassification:
 
     def __init__(self, config: Config = Config(), seed: int = 0) -> None:
         if config.pairs % config.burstiness:
-            raise ValueError(f"pairs ({config.pairs}) must be a multiple of burstiness ({config.burstiness})")
+            raise InvalidValueError(
+                f"pairs ({config.pairs}) must be a multiple of burstiness ({config.burstiness})"
+            )
         self.config = config
         self.generator = torch.Generator().manual_seed(seed)
         self.class_means = self._vectors(config.classes)
@@ -72,7 +76,9 @@ class InContextClassification:
     def test_batch(self, size: int, answer: int, copy: int) -> Episodes:
         """Test set ``[answer, copy]``: novel classes, answer at item ``answer``, copied to item ``copy``."""
         if answer == copy or not all(0 <= p < self.config.pairs for p in (answer, copy)):
-            raise ValueError(f"need two different items in [0, {self.config.pairs}), got {answer}, {copy}")
+            raise InvalidValueError(
+                f"need two different items in [0, {self.config.pairs}), got {answer}, {copy}"
+            )
         n_classes = self.config.pairs // self.config.burstiness
         means = self._vectors(size * n_classes).view(size, n_classes, -1)
         labels = torch.randint(self.config.labels, (size, n_classes), generator=self.generator)

@@ -20,6 +20,7 @@ from itertools import islice
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from probe.errors import InvalidValueError
 from probe.tasks.sample import Prompt, Sample, Unit, render
 
 Depth = float | Sequence[float] | None
@@ -31,11 +32,11 @@ def support_depths(depth: Depth, count: int, rng: np.random.Generator) -> list[f
         return sorted(rng.uniform(0.0, 1.0, count).tolist())
     depths = [float(depth)] * count if np.isscalar(depth) else [float(d) for d in depth]
     if len(depths) != count:
-        raise ValueError(f"got {len(depths)} depths for {count} supporting items")
+        raise InvalidValueError(f"got {len(depths)} depths for {count} supporting items")
     if not all(0.0 <= d <= 1.0 for d in depths):
-        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+        raise InvalidValueError(f"depth must lie in [0, 1], got {depth}")
     if depths != sorted(depths):
-        raise ValueError(f"depths of ordered supporting items must not decrease, got {depth}")
+        raise InvalidValueError(f"depths of ordered supporting items must not decrease, got {depth}")
     return depths
 
 
@@ -79,14 +80,14 @@ def build(
     fixed = layout(np.zeros(1), []).prompt_length
     budget = length - fixed
     if budget < 0:
-        raise ValueError(
+        raise InvalidValueError(
             f"length {length} is too short for task {settings['task']!r}: its prompt needs {fixed} tokens "
             "before any filler"
         )
     units, counts = _draw_filler(tokenizer, filler, prompt.separator, budget)
     cumulative = np.concatenate([[0], np.cumsum(counts)])
     if cumulative[-1] < 0.98 * budget:
-        raise ValueError(
+        raise InvalidValueError(
             f"length {length} is beyond what the filler text can fill "
             f"(at most about {fixed + cumulative[-1]} tokens for this tokenizer)"
         )

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from probe.errors import InvalidValueError
 from probe.lsd import key_token_mask, lsd_scores
 from probe.tasks.noise import sentence_stream
 from probe.tasks.sample import Prompt, Sample, Unit, render
@@ -53,17 +54,17 @@ def key_token(
     K = max(16, length // 8) if K is None else int(K)
     d = K if d is None else int(d)
     if model is None:
-        raise ValueError(
+        raise InvalidValueError(
             "the key-token task finds its token with probe.lsd on a model: "
             "tasks.make('key-token', tokenizer, length, seed, model=model)"
         )
     if chat:
-        raise ValueError("key-token is a plain continuation of essay text: it takes no chat template")
+        raise InvalidValueError("key-token is a plain continuation of essay text: it takes no chat template")
     if settings["depth"] is not None:
-        raise ValueError("key-token takes no depth: the key token is wherever the essay puts one")
+        raise InvalidValueError("key-token takes no depth: the key token is wherever the essay puts one")
     lo, hi = max(K + 1, int(length * (1 - WINDOW))), int(length * (1 + WINDOW)) + 1
     if lo >= hi:
-        raise ValueError(f"length {length} leaves no position beyond the short context K = {K}")
+        raise InvalidValueError(f"length {length} leaves no position beyond the short context K = {K}")
     positions = torch.arange(lo, hi)
     name = getattr(getattr(model, "config", None), "name_or_path", None) or type(model).__name__
     options = {"model": name, "K": K, "d": d, "alpha": alpha, "beta": beta}
@@ -99,7 +100,7 @@ def key_token(
             sample = render(tokenizer, prompt, body, settings | {"options": scored}, chat=False)
             if torch.equal(sample.input_ids, ids[: t + 1]):  # the text up to it tokenizes as in the essay
                 return sample
-    raise ValueError(
+    raise InvalidValueError(
         f"no key token (LSD > {alpha}, LCL > {beta}, K = {K}) within {WINDOW:.0%} of position {length} in "
         f"{ATTEMPTS} essay windows; try another seed, or a lower alpha or beta"
     )
@@ -113,7 +114,7 @@ def _essay_window(tokenizer: PreTrainedTokenizerBase, stream: Iterator[str], tok
     while True:
         more = list(islice(stream, max(8, tokens // 40)))
         if not more:
-            raise ValueError(f"the essays hold too little text for a window of {tokens} tokens")
+            raise InvalidValueError(f"the essays hold too little text for a window of {tokens} tokens")
         sentences += more
         text = " ".join(sentences)
         encoding = tokenizer(text, return_offsets_mapping=True)

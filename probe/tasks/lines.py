@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from probe.errors import InvalidValueError
 from probe.tasks import words
 from probe.tasks.haystack import build
 from probe.tasks.noise import noise_units
@@ -33,7 +34,7 @@ def lines(
 ) -> Sample:
     """The asked line at ``depth``; ``lines=None``: other lines fill the length, else ``lines`` in all."""
     if lines is not None and lines < 1:
-        raise ValueError(f"lines must be at least 1, got {lines}")
+        raise InvalidValueError(f"lines must be at least 1, got {lines}")
     keys = words.keys(rng, len(words.ADJECTIVES) * len(words.NOUNS))  # all keys, in random order
     values = rng.integers(1, 50001, len(keys))
     records = [f"line {key}: REGISTER_CONTENT is <{value}>" for key, value in zip(keys, values, strict=True)]

@@ -15,6 +15,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from probe.checks import check_int
+from probe.errors import InvalidValueError
 from probe.tasks import words
 from probe.tasks.haystack import build
 from probe.tasks.noise import noise_units
@@ -72,7 +73,7 @@ def multivalue_niah(
 ) -> Sample:
     """LOGO's multi-value NIAH: ``needles`` city needles sharing one activity, which is the answer."""
     if not 2 <= needles <= len(words.CITIES):
-        raise ValueError(f"needles must be between 2 and {len(words.CITIES)}, got {needles}")
+        raise InvalidValueError(f"needles must be between 2 and {len(words.CITIES)}, got {needles}")
     cities = rng.choice(words.CITIES, needles, replace=False).tolist()
     shared = words.SHARED_ACTIVITIES[rng.integers(len(words.SHARED_ACTIVITIES))]
     local = rng.choice(words.LOCAL_ACTIVITIES, needles, replace=False).tolist()

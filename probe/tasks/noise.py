@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from probe.errors import InvalidValueError
 from probe.tasks.sample import Unit
 
 EMOJI = tuple("🍎🚀🎈🐙🌵🎻🦉🍩🧭🪁🐢🌋🎲🧩🦊🍄🛶🎺🐝🌙🦀🍋🎃🪐🦜🧲🥨🐳🌶🔭")
@@ -76,7 +77,7 @@ def essay_ids(tokenizer: PreTrainedTokenizerBase, length: int, count: int = 1) -
         text = " ".join(pool[window * length : (window + 1) * length])
         ids = tokenizer(text, return_tensors="pt").input_ids[0, :length]
         if len(ids) < length:
-            raise ValueError(f"the essays hold too little text for {count} windows of {length} tokens")
+            raise InvalidValueError(f"the essays hold too little text for {count} windows of {length} tokens")
         windows.append(ids)
     return windows
 
@@ -91,4 +92,4 @@ def essay_documents(tokenizer: PreTrainedTokenizerBase, length: int, count: int 
             current = []
             if len(documents) == count:
                 return documents
-    raise ValueError(f"the essays hold fewer than {count} documents of {length} tokens")
+    raise InvalidValueError(f"the essays hold fewer than {count} documents of {length} tokens")

@@ -43,6 +43,7 @@ from transformers import PreTrainedTokenizerBase
 
 from probe import views
 from probe.checks import tokenizer_fingerprint
+from probe.errors import InvalidTypeError, InvalidValueError
 
 CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "context", "question", "answer")
 #: The categories of the context body: each of their spans is one :class:`Source`. ``context``: a
@@ -214,13 +215,13 @@ class Sample:
         chosen = set(sources)
         for source in chosen:
             if source.category in ("question", "answer"):
-                raise ValueError(f"the {source.category} is never removed from a sample, got {source}")
+                raise InvalidValueError(f"the {source.category} is never removed from a sample, got {source}")
             if source not in own:
-                raise ValueError(f"{source} is not one of this sample's sources")
+                raise InvalidValueError(f"{source} is not one of this sample's sources")
         chars = [self.char_spans[source.category][source.index] for source in own]
         gaps = {self.text[end:start] for (_, end), (start, _) in zip(chars, chars[1:], strict=False)}
         if len(gaps) > 1:
-            raise ValueError(f"the sources are not joined by one separator (found {sorted(gaps)})")
+            raise InvalidValueError(f"the sources are not joined by one separator (found {sorted(gaps)})")
 
         gone = [source in chosen for source in own]
         last_kept = max((i for i, flag in enumerate(gone) if not flag), default=-1)
@@ -257,7 +258,7 @@ class Sample:
         for category in ("question", "answer"):
             (old_start, old_end), (new_start, new_end) = self.spans[category][0], spans[category][0]
             if not torch.equal(self.input_ids[old_start:old_end], input_ids[new_start:new_end]):
-                raise ValueError(
+                raise InvalidValueError(
                     f"the {category} tokenizes differently after the removal: is {type(tokenizer).__name__} "
                     "the tokenizer that rendered this sample?"
                 )
@@ -308,9 +309,11 @@ class Sample:
         """
         for name, value in (("context", context), ("query", query)):
             if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"{name} must be non-empty text, got {value!r}")
+                raise InvalidValueError(f"{name} must be non-empty text, got {value!r}")
         if response is not None and (not isinstance(response, str) or not response.strip()):
-            raise ValueError(f"response must be non-empty text or None (generate one), got {response!r}")
+            raise InvalidValueError(
+                f"response must be non-empty text or None (generate one), got {response!r}"
+            )
         ranges = _source_ranges(context, sources)
         body, position = [], 0
         for start, end in ranges:
@@ -379,7 +382,7 @@ def _source_ranges(
     each stripped of surrounding whitespace, in order, none empty."""
     if isinstance(sources, str):
         if sources not in SOURCE_SPLITS:
-            raise ValueError(
+            raise InvalidValueError(
                 f"sources must be one of {SOURCE_SPLITS}, a list of strings or of (start, end) spans, "
                 f"got {sources!r}"
             )
@@ -391,7 +394,7 @@ def _source_ranges(
         for source in sources:
             start = context.find(source, position)
             if start < 0:
-                raise ValueError(
+                raise InvalidValueError(
                     f"source {source[:60]!r} does not occur in the context after position {position}"
                 )
             ranges.append((start, start + len(source)))
@@ -399,10 +402,12 @@ def _source_ranges(
     else:
         ranges = [tuple(int(x) for x in source) for source in sources]
         if not ranges or any(len(r) != 2 for r in ranges):
-            raise ValueError("sources must be a non-empty list of strings or of (start, end) character spans")
+            raise InvalidValueError(
+                "sources must be a non-empty list of strings or of (start, end) character spans"
+            )
         for (start, end), (next_start, _) in zip(ranges, [*ranges[1:], (len(context), 0)], strict=True):
             if not 0 <= start < end <= next_start <= len(context):
-                raise ValueError(
+                raise InvalidValueError(
                     f"source span {(start, end)} is empty, out of the context's {len(context)} characters, "
                     "or overlaps the next: give sorted, disjoint (start, end) ranges"
                 )
@@ -413,7 +418,7 @@ def _source_ranges(
         if end > start:
             stripped.append((start, end))
     if not stripped:
-        raise ValueError("the context holds no source: every one is empty or whitespace")
+        raise InvalidValueError("the context holds no source: every one is empty or whitespace")
     return stripped
 
 
@@ -440,7 +445,7 @@ def chat_wrapper(tokenizer: PreTrainedTokenizerBase) -> tuple[str, str]:
         [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True
     )
     if render.count(_SENTINEL) != 1:
-        raise ValueError("the chat template does not reproduce the user message verbatim")
+        raise InvalidValueError("the chat template does not reproduce the user message verbatim")
     prefix, suffix = render.split(_SENTINEL)
     return prefix, suffix
 
@@ -476,7 +481,7 @@ def render(
     ``settings`` holds ``task, length, seed, depth, options`` and is stored on the sample.
     """
     if not tokenizer.is_fast:
-        raise TypeError(
+        raise InvalidTypeError(
             f"{type(tokenizer).__name__} is a slow tokenizer without offset mapping; exact spans need a "
             "fast tokenizer (AutoTokenizer.from_pretrained(..., use_fast=True))"
         )
@@ -551,7 +556,9 @@ def _tokenize(
         if not orphans:
             return torch.tensor(ids, dtype=torch.long), offsets, spans, tuple(cuts)
         if orphans <= set(cuts):
-            raise ValueError(f"spans at characters {sorted(orphans)} own no token even when tokenized apart")
+            raise InvalidValueError(
+                f"spans at characters {sorted(orphans)} own no token even when tokenized apart"
+            )
         cuts = sorted(set(cuts) | orphans)
 
 
@@ -576,5 +583,5 @@ def _token_span(token_starts: np.ndarray, char_span: tuple[int, int]) -> tuple[i
         return None
     start, end = int(inside[0]), int(inside[-1]) + 1
     if end - start != len(inside):
-        raise ValueError(f"the tokens that start inside characters {char_span} are not contiguous")
+        raise InvalidValueError(f"the tokens that start inside characters {char_span} are not contiguous")
     return start, end

@@ -19,6 +19,7 @@ import re
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from probe.errors import InvalidValueError
 from probe.tasks import words
 from probe.tasks.haystack import build
 from probe.tasks.noise import EMOJI, emoji, noise_units
@@ -41,7 +42,7 @@ def story(
 ) -> Sample:
     """A ``hops``-hop question over supporting facts at ``depth`` (one depth per fact, or one for all)."""
     if not 0 <= emojis <= len(EMOJI):
-        raise ValueError(f"emojis must be between 0 and {len(EMOJI)}, got {emojis}")
+        raise InvalidValueError(f"emojis must be between 0 and {len(EMOJI)}, got {emojis}")
 
     def pick(options):
         return options[rng.integers(len(options))]

@@ -1,5 +1,7 @@
 """Word lists the task generators draw from (small, fixed, so samples are reproducible from a seed)."""
 
+from probe.errors import InvalidValueError
+
 ADJECTIVES = (
     "amber brave calm dusty eager fancy gentle hollow icy jolly keen lively mellow narrow odd "
     "plain quick rusty shiny tidy upper vivid wobbly young zesty bold crisp damp faint grim "
@@ -40,6 +42,6 @@ def keys(rng, count: int) -> list[str]:
     """``count`` distinct random ``adjective-noun`` keys (LongEval's LRT-NL line indices)."""
     total = len(ADJECTIVES) * len(NOUNS)
     if count > total:
-        raise ValueError(f"only {total} distinct keys exist, asked for {count}")
+        raise InvalidValueError(f"only {total} distinct keys exist, asked for {count}")
     chosen = rng.choice(total, count, replace=False)
     return [f"{ADJECTIVES[i // len(NOUNS)]}-{NOUNS[i % len(NOUNS)]}" for i in chosen]
