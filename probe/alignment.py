@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from probe.checks import check_text, check_tokenizer
 from probe.errors import InvalidValueError
 
 __all__ = ["character_runs", "decoded_offsets", "encode", "transfer_to_tokens"]
@@ -29,6 +30,8 @@ def encode(
     Tokenizers that give no offsets (tiktoken-based ones raise ``NotImplementedError``, Python
     "slow" tokenizers silently omit them) get offsets from :func:`decoded_offsets`.
     """
+    check_tokenizer(tokenizer)
+    check_text(text, "text")
     try:
         encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     except (NotImplementedError, ValueError):

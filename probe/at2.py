@@ -30,7 +30,7 @@ import torch
 
 from probe.attribution import AnswerAttribution
 from probe.checks import hf_model
-from probe.errors import InvalidValueError
+from probe.errors import InvalidTypeError, InvalidValueError
 from probe.results import read_json, write_json
 from probe.tasks import Sample
 
@@ -115,6 +115,8 @@ class HeadWeights:
     @classmethod
     def for_model(cls, model, weights: HeadWeights | str | Path | None = None) -> HeadWeights:
         """``weights`` (an object or a file), else :meth:`bundled`; checked against ``model``."""
+        if weights is not None and not isinstance(weights, (HeadWeights, str, Path)):
+            raise InvalidTypeError(f"weights must be HeadWeights, a file's path or None, got {weights!r}")
         found = cls.bundled(model) if weights is None else weights
         if found is None:
             raise InvalidValueError(

@@ -28,6 +28,8 @@ def is_batch(input_ids, attention_mask: torch.Tensor | None = None) -> bool:
         return True
     if isinstance(input_ids, torch.Tensor):
         return input_ids.ndim == 2 and input_ids.shape[0] > 1
+    if not isinstance(input_ids, (list, tuple)):
+        raise InvalidTypeError(f"input_ids must be a tensor or a list of token ids, got {input_ids!r:.60}")
     return (
         len(input_ids) > 0 and not isinstance(input_ids[0], int) and torch.as_tensor(input_ids[0]).ndim == 1
     )

@@ -12,7 +12,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from probe.attention import Modifier, active_modifiers, with_modifiers
 from probe.checks import CACHE_KEYWORDS, UnsupportedModelError, hf_model
-from probe.errors import InvalidValueError
+from probe.errors import InvalidTypeError, InvalidValueError
 
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("longprobe_recomputing", default=False)
 
@@ -45,6 +45,8 @@ def checkpointed(model, enabled: bool = True) -> Iterator[None]:
     captured rows and their gradients equal the plain pass. Forward passes must not write a KV
     cache (``use_cache=False``). ``enabled=False``: a no-op. The layers are restored on exit.
     """
+    if not isinstance(enabled, bool):
+        raise InvalidTypeError(f"enabled must be True or False, got {enabled!r:.60}")
     if not enabled:
         yield
         return

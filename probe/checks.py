@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError, UnsupportedModelError
 
@@ -118,7 +118,7 @@ def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Ten
 def check_integers(values, what: str) -> torch.Tensor:
     """``values`` (a list, a tensor) as a LongTensor, refusing what would silently change meaning: a
     bare number or string, booleans (``True`` would act as position 1) and floats (``2.5`` as 2)."""
-    if isinstance(values, (str, bytes, int, float)) or values is None:
+    if isinstance(values, (str, bytes, int, float, dict, set)) or values is None:
         hint = f": pass [{values}]" if isinstance(values, int) and not isinstance(values, bool) else ""
         raise InvalidTypeError(f"{what} must be a list or tensor of integers, got {values!r}{hint}")
     if not torch.is_tensor(values) and any(isinstance(v, (bool, np.bool_)) for v in _flat(values)):
@@ -163,6 +163,75 @@ def check_int(value, what: str, minimum: int | None = None, maximum: int | None 
         high = "" if maximum is None else f"at most {maximum}"
         raise InvalidValueError(f"{what} must be {' and '.join(b for b in (low, high) if b)}, got {value}")
     return value
+
+
+def check_number(
+    value, what: str, minimum: float | None = None, maximum: float | None = None, open_below: bool = False
+) -> float:
+    """``value`` as a finite float (an int or float, not a bool or a string) in ``[minimum, maximum]``
+    (``(minimum, maximum]`` with ``open_below``)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidTypeError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not np.isfinite(value):
+        raise InvalidValueError(f"{what} must be a finite number, got {value}")
+    below = value <= minimum if open_below else value < minimum if minimum is not None else False
+    if below or (maximum is not None and value > maximum):
+        low = "" if minimum is None else f"{'above' if open_below else 'at least'} {minimum}"
+        high = "" if maximum is None else f"at most {maximum}"
+        raise InvalidValueError(f"{what} must be {' and '.join(b for b in (low, high) if b)}, got {value}")
+    return value
+
+
+def check_text(value, what: str) -> str:
+    """``value``: non-empty text."""
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidValueError(f"{what} must be non-empty text, got {value!r}")
+    return value
+
+
+def check_tokenizer(tokenizer, optional: bool = False) -> PreTrainedTokenizerBase | None:
+    """``tokenizer``: a Hugging Face tokenizer (``probe.load_model`` returns the model's own), or
+    ``None`` where ``optional``."""
+    if tokenizer is None and optional:
+        return None
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise InvalidTypeError(
+            f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}: pass the one "
+            "probe.load_model returned with the model (or AutoTokenizer.from_pretrained(...))"
+        )
+    return tokenizer
+
+
+def check_sample(sample) -> None:
+    """``sample``: a :class:`probe.Sample` (``probe.tasks.make``, ``probe.Sample.from_text``)."""
+    from probe.tasks import Sample
+
+    if not isinstance(sample, Sample):
+        raise InvalidTypeError(
+            f"sample must be a probe.Sample, got {type(sample).__name__}: build one with "
+            "probe.tasks.make(...) or probe.Sample.from_text(tokenizer, context, query, response)"
+        )
+
+
+def check_option(value, annotation: str, what: str) -> None:
+    """An option checked by its annotation (``int``, ``float``, ``bool``, ``str`` and ``... | None``);
+    ints at least 0 (1 for counts named in :data:`COUNTS`), floats finite."""
+    kinds = {part.strip() for part in annotation.split("|")}
+    if value is None and "None" in kinds:
+        return
+    if kinds <= {"int", "None"}:
+        check_int(value, what, 1 if what.rsplit(" ", 1)[-1] in COUNTS else 0)
+    elif kinds <= {"float", "None"}:
+        check_number(value, what)
+    elif kinds <= {"bool", "None"} and not isinstance(value, (bool, np.bool_)):
+        raise InvalidTypeError(f"{what} must be True or False, got {value!r}")
+    elif kinds <= {"str", "None"} and not isinstance(value, str):
+        raise InvalidTypeError(f"{what} must be text, got {value!r}")
+
+
+#: Integer options that count something and must be at least 1.
+COUNTS = ("top_k", "top_m", "K", "d", "block", "n_masks", "internal_batch_size", "steps", "batch_size")
 
 
 def check_token_flags(flags, seq: int, what: str) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from probe.attribution import embedding_grads
 from probe.capture import trace
-from probe.checks import check_layers, check_token_flags, hf_model, input_device
+from probe.checks import check_layers, check_number, check_sample, check_token_flags, hf_model, input_device
 from probe.errors import InvalidValueError
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.shared_state import frozen_parameters
@@ -89,6 +89,13 @@ def noise_restraint(
     ``shift`` (mean ‖E' − E‖ / ‖E‖ over the moved tokens). Moving against the gradient lowers L
     for small enough steps. ``checkpoint``: the gradient pass's (see :mod:`probe.attribution`).
     """
+    check_sample(sample)
+    lrs = lr if isinstance(lr, (list, tuple)) else [lr]
+    if not lrs:
+        raise InvalidValueError("lr is empty: give a step size or a list of them")
+    for value in lrs:
+        check_number(value, "lr", 0, open_below=True)
+    check_number(beta, "beta", 0, open_below=True)
     ids, targets = sample.input_ids, sample.target_positions
     layers, labels = check_layers(model, layers), sample.categories
     with torch.no_grad():

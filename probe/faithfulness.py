@@ -34,13 +34,14 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 
-from probe.checks import cache_keyword, check_input_ids, check_sample_fits, hf_model
+from probe.checks import cache_keyword, check_input_ids, check_int, check_number, check_sample_fits, hf_model
 from probe.errors import InvalidValueError
 from probe.modifiers import mask_keys, original_positions
 from probe.target import Target, target_value
 from probe.tasks import Sample, Source
 
 KS = (1, 2, 4, 8)
+MAX_MASKS = 2**20  # a million forward passes: beyond any study, and the masks alone would fill memory
 CEILING_SEED = 7919  # the additive ceiling's masks: seed + this, apart from the LDS masks' seed
 REDUCTIONS = ("sum", "mean", "max")
 
@@ -243,7 +244,10 @@ def top_k_masks(scores: torch.Tensor, ks: Sequence[int] = KS) -> torch.Tensor:
 
 
 def random_masks(n_sources: int, n_masks: int, keep: float = 0.5, seed: int = 0) -> torch.Tensor:
-    """BoolTensor[n_masks, n_sources] of *kept* sources, each kept with probability ``keep`` (seeded)."""
+    """BoolTensor[n_masks, n_sources] of *kept* sources, each kept with probability ``keep`` (seeded).
+    At most :data:`MAX_MASKS` masks (each is a forward pass)."""
+    check_int(n_masks, "n_masks", 1, MAX_MASKS)
+    check_number(keep, "keep", 0, 1)
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(n_masks, n_sources, generator=generator) < keep
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from probe.checks import check_sample_fits, hf_model, input_device
+from probe.checks import check_int, check_sample, check_sample_fits, check_tokenizer, hf_model, input_device
 from probe.tasks import Sample
 
 
@@ -14,6 +14,10 @@ def answer(model, tokenizer, sample: Sample, max_new_tokens: int | None = None) 
     At most ``max_new_tokens`` new tokens (default: the gold answer's token count + 4).
     """
     inner = hf_model(model)
+    check_tokenizer(tokenizer)
+    check_sample(sample)
+    if max_new_tokens is not None:
+        check_int(max_new_tokens, "max_new_tokens", 1)
     check_sample_fits(inner, sample, tokenizer)
     prompt = sample.prompt_ids[None].to(input_device(inner))
     with torch.inference_mode():

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from probe.checks import check_input_ids, check_positions, hf_model
+from probe.checks import check_input_ids, check_int, check_positions, hf_model
 from probe.errors import InvalidValueError
 
 __all__ = [
@@ -137,8 +137,7 @@ def short_context_blocks(seq: int, K: int, d: int, official: bool = False) -> li
     ``first − window_start = K`` always. Default: the first block starts at token K + 1 (the first
     token with a truncated context); ``official=True``: at token K with window start 0.
     """
-    if K < 1 or d < 1:
-        raise InvalidValueError(f"K and d must be positive, got K={K}, d={d}")
+    K, d = check_int(K, "K", 1), check_int(d, "d", 1)
     first = K if official else K + 1
     if seq <= first:
         raise InvalidValueError(

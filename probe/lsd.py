@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 from probe import alignment, logprobs
 from probe.checks import hf_model
-from probe.errors import InvalidValueError
+from probe.errors import InvalidTypeError, InvalidValueError
 from probe.results import read_json, write_json
 
 __all__ = [
@@ -377,6 +377,8 @@ def pool_longppl(results: Sequence[LongPPLResult]) -> LongPPLResult:
     The results must share their settings; the pooled one has ``settings["documents"]`` (pooled
     results count their documents) and no key spans.
     """
+    if not isinstance(results, (list, tuple)) or not all(isinstance(r, LongPPLResult) for r in results):
+        raise InvalidTypeError(f"results must be a list of probe.longppl's results, got {results!r:.60}")
     if not results:
         raise InvalidValueError("pool_longppl needs at least one result")
 

@@ -31,7 +31,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from probe.errors import InvalidValueError, ModelNotInstalledError, NotFoundError
+from probe.errors import InvalidTypeError, InvalidValueError, ModelNotInstalledError, NotFoundError
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,13 @@ def load_model(
     """
     if isinstance(spec, torch.nn.Module):
         return spec, tokenizer
+    if not isinstance(spec, (str, os.PathLike)):
+        raise InvalidTypeError(
+            f"spec must be a bundled name ({', '.join(REAL_MODELS)}), a folder, a hub id or a model, "
+            f"got {spec!r:.60}"
+        )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise InvalidTypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
     if device is not None and device_map is not None:
         raise InvalidValueError(
             "give device or device_map, not both (device_map dispatches the model itself)"
@@ -305,6 +312,9 @@ def tiny_model(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **over
     """
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
+    from probe.checks import check_int
+
+    vocab_size, seed = check_int(vocab_size, "vocab_size", 2, 2**20), check_int(seed, "seed", 0)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=32,
@@ -357,6 +367,10 @@ def to_bridge(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: 
 
     from transformer_lens.model_bridge import TransformerBridge
 
+    from probe.checks import check_tokenizer, hf_model
+
+    hf_model(model)
+    check_tokenizer(tokenizer)
     name = name or model.config.name_or_path or type(model).__name__
     return TransformerBridge.boot_transformers(
         name, hf_model=copy.deepcopy(model), tokenizer=tokenizer, device=str(model.device)

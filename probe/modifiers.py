@@ -202,8 +202,17 @@ def ablate_heads(model, heads: Iterable[tuple[int, int]]) -> Iterator[None]:
 def check_heads(inner, heads: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
     """``(layer, query head)`` pairs as {layer: [head, ...]}, each checked against the model."""
     config = inner.config.get_text_config()
+    wrong = "heads must be a list of (layer, head) pairs"
+    if not (isinstance(heads, (list, tuple, set)) or torch.is_tensor(heads)):
+        raise InvalidTypeError(f"{wrong}, got {heads!r}")
+    pairs = heads.tolist() if torch.is_tensor(heads) else list(heads)
+    if len(pairs) == 2 and all(isinstance(x, int) for x in pairs):
+        raise InvalidTypeError(f"{wrong}, got one pair: pass [{tuple(pairs)!r}]")
+    bad = [pair for pair in pairs if not isinstance(pair, (list, tuple)) or len(pair) != 2]
+    if bad:
+        raise InvalidTypeError(f"{wrong}, got the entry {bad[0]!r}")
     by_layer: dict[int, list[int]] = {}
-    for layer, head in heads:
+    for layer, head in pairs:
         (layer,) = check_layers(inner, [check_int(layer, "the layer of a (layer, head) pair")])
         if not 0 <= check_int(head, "the head of a (layer, head) pair") < config.num_attention_heads:
             raise OutOfRangeError(

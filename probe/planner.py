@@ -96,7 +96,7 @@ from transformers import PretrainedConfig
 
 from probe.attention import EXACT_BLOCK, Modifier, active_modifiers, runs_in_bands
 from probe.checkpointing import checkpointed
-from probe.checks import input_device
+from probe.checks import check_int, input_device
 from probe.errors import InsufficientMemoryError, InvalidValueError, OutOfRangeError
 from probe.memory import (
     CHECKPOINT_HEAP_HOLES,
@@ -236,8 +236,8 @@ def plan(
     name = _ALIASES.get(probe, probe)
     if name not in PROBES:
         raise InvalidValueError(f"unknown probe {probe!r}; plan one of {', '.join(PROBES)}")
-    if seq_len < 1 or rows < 1 or batch < 1:
-        raise InvalidValueError(f"seq_len, rows and batch must be positive, got {seq_len}, {rows}, {batch}")
+    seq_len, rows, batch = (check_int(value, name, 1) for value, name in
+                            ((seq_len, "seq_len"), (rows, "rows"), (batch, "batch")))  # fmt: skip
     shapes = model if isinstance(model, Shapes) else Shapes.of(model)
     captured = _check_layers(layers, shapes.layers)
     masked = any(modifier.masks_every_layer(shapes, modifiers) for modifier in modifiers)

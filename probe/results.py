@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import pandas as pd
 
-from probe.errors import InvalidValueError
+from probe.errors import InvalidValueError, NotFoundError
 
 
 @runtime_checkable
@@ -62,6 +62,8 @@ def read_json(path: str | Path, what: str, keys: Sequence[str] = ()) -> Any:
     expected instead of a raw decoding or key error.
     """
     expected = f"expected a file written by {what}.save()"
+    if not isinstance(path, (str, Path)) or not Path(path).is_file():
+        raise NotFoundError(f"no {what} file at {path!r}: {expected}")
     try:
         record = json.loads(Path(path).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

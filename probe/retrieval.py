@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 
 from probe import views
 from probe.capture import trace
-from probe.checks import cache_keyword, check_input_ids, hf_model, n_layers
-from probe.errors import InvalidValueError
+from probe.checks import cache_keyword, check_input_ids, check_sample, check_tokenizer, hf_model, n_layers
+from probe.errors import InvalidTypeError, InvalidValueError
 from probe.results import read_json, write_json
 from probe.shared_state import frozen_parameters
 from probe.tasks import Sample
@@ -264,6 +264,11 @@ def retrieval_scores(
     With ``require_correct`` (Wu et al.'s gate) only correctly answered trials count in
     :meth:`RetrievalScores.mean` and the JSON; per-trial scores of all trials are kept.
     """
+    check_tokenizer(tokenizer)
+    if not isinstance(samples, (list, tuple)) or not samples:
+        raise InvalidTypeError(f"samples must be a non-empty list of probe.Sample, got {samples!r:.60}")
+    for sample in samples:
+        check_sample(sample)
     if not samples:
         raise InvalidValueError("retrieval_scores needs at least one needle sample")
     scores, argmaxes, rows = [], [], []

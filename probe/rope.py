@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from probe.checks import UnsupportedModelError, hf_model
+from probe.checks import UnsupportedModelError, check_number, hf_model
 from probe.errors import InvalidValueError
 
 __all__ = ["rope_base"]
@@ -40,8 +40,7 @@ def rope_base(model, factor: float, layer_types: Sequence[str] = ("full_attentio
     On exit, also after an exception, the config and the embeddings' frequencies are restored (the
     same objects). ``factor=1``: unchanged. Nests with itself and with the attention modifiers.
     """
-    if not factor > 0:
-        raise InvalidValueError(f"the RoPE base factor must be positive, got {factor}")
+    factor = check_number(factor, "factor (of the RoPE base)", 0, open_below=True)
     if factor == 1:
         yield
         return

@@ -114,4 +114,11 @@ def target_loss(
 ) -> torch.Tensor:
     """The loss gradient probes differentiate, −:func:`target_of` / k (the default: the mean
     cross-entropy of the k tokens at ``target_positions``)."""
-    return -target_of(model, input_ids, target_positions, target, **forward_kwargs) / len(target_positions)
+    from probe.checks import check_input_ids, check_positions
+
+    if "inputs_embeds" not in forward_kwargs:
+        input_ids = check_input_ids(model, input_ids)
+    embeds = forward_kwargs.get("inputs_embeds")
+    seq = embeds.shape[1] if embeds is not None else input_ids.shape[1]
+    positions = check_positions(target_positions, seq, "target_positions", minimum=1).to(input_ids.device)
+    return -target_of(model, input_ids, positions, target, **forward_kwargs) / len(positions)

@@ -171,12 +171,9 @@ def test_gradient_detectors_match_retain_grad(story, tokenizer):
 
 def test_integrated_gradients_is_complete_and_reports_its_delta():
     model, sample = probe.tiny_model("llama"), hand_sample()
-
-    class Pad:
-        pad_token_id, eos_token_id = 0, 1
-
-    coarse = probe.detect("integrated_gradients", model, Pad(), sample, n_steps=2, internal_batch_size=2)
-    fine = probe.detect("integrated_gradients", model, Pad(), sample, n_steps=32, internal_batch_size=32)
+    tokenizer = AutoTokenizer.from_pretrained(probe.models.converted_folder("smollm2-135m"))  # pad id < 128
+    coarse = probe.detect("integrated_gradients", model, tokenizer, sample, n_steps=2, internal_batch_size=2)
+    fine = probe.detect("integrated_gradients", model, tokenizer, sample, n_steps=32, internal_batch_size=32)
     assert fine.details["convergence_delta"] < 1e-4 < coarse.details["convergence_delta"]
     targets = sample.target_positions
     with torch.no_grad():  # completeness: Σ attributions = f(x) − f(baseline), f = −loss

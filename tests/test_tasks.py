@@ -230,7 +230,7 @@ def test_bad_input_raises_clear_errors():
         tasks.make("multihop-4", tok, 64)
     with pytest.raises(ValueError, match="beyond what the filler text can fill"):
         tasks.make("passkey", tok, 400_000)
-    with pytest.raises(TypeError, match="fast tokenizer"):
+    with pytest.raises(TypeError, match="Hugging Face tokenizer"):
         tasks.make("passkey", types.SimpleNamespace(is_fast=False, chat_template=None), 512)
     with pytest.raises(TypeError, match="unexpected keyword"):
         tasks.make("passkey", tok, 512, colour="red")

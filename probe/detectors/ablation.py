@@ -11,6 +11,7 @@ import functools
 import numpy as np
 import torch
 
+from probe.checks import check_number
 from probe.detectors.registry import Detection, options, register, spread_over_tokens
 from probe.detectors.run import detect
 from probe.errors import InvalidValueError
@@ -168,6 +169,11 @@ def context_cite(
     from sklearn.metrics import r2_score
     from sklearn.preprocessing import StandardScaler
 
+    check_number(keep, "keep", 0, 1, open_below=True)
+    check_number(alpha, "alpha", 0)
+    check_number(holdout, "holdout", 0, 0.5)
+    if n_masks - max(1, round(holdout * n_masks)) < 2:
+        raise InvalidValueError(f"n_masks={n_masks} leaves under 2 masks to fit beside holdout={holdout}")
     n_sources = len(sample.sources)
     kept = random_masks(n_sources, n_masks, keep, seed)
     logprob = answer_scores(model, sample, ~kept, compact=compact, target=target).logprob

@@ -23,6 +23,7 @@ from probe.attribution import (
 from probe.attribution import information_flow as information_flow_per_layer
 from probe.checks import check_int, check_layers, hf_model, input_device
 from probe.detectors.registry import Detection, register, top_k_mask
+from probe.errors import InvalidValueError
 from probe.faithfulness import random_masks, removed_positions
 from probe.key_removal import key_removal_gradient
 from probe.lrp import relevance
@@ -340,6 +341,8 @@ def integrated_gradients(
     inner = hf_model(model)
     ids = sample.input_ids[None].to(input_device(inner))
     targets = sample.target_positions.to(ids.device)
+    if tokenizer is None:
+        raise InvalidValueError("integrated_gradients needs the tokenizer: its baseline is its pad token")
     baseline_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def answer_log_prob(batch_ids: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from probe import views
-from probe.checks import check_sample_fits
+from probe.checks import check_option, check_sample, check_sample_fits, check_tokenizer
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import source_scores
 from probe.results import read_json, write_json
@@ -172,6 +172,9 @@ def register(name: str) -> Callable[[Detector], Detector]:
 
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
+            check_options(name, options)
+            check_tokenizer(tokenizer, optional=True)  # the sample carries its ids
+            check_sample(sample)
             check_sample_fits(model, sample, tokenizer)
             start = time.perf_counter()
             detection = _on_cpu(_with_target(fn(model, tokenizer, sample, **options), options.get("target")))
@@ -215,11 +218,27 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
+def lookup(name: str) -> Detector:
+    """The registered detector ``name``; the one place an unknown name is refused."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise InvalidValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
 def options(name: str) -> list[str]:
     """The options detector ``name`` accepts (beyond model, tokenizer and sample)."""
-    if name not in _REGISTRY:
-        raise InvalidValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
-    return list(inspect.signature(_REGISTRY[name]).parameters)[3:]
+    return list(inspect.signature(lookup(name)).parameters)[3:]
+
+
+def check_options(name: str, given: dict[str, Any]) -> None:
+    """Refuse an option detector ``name`` does not take, and a value its annotation rules out
+    (:func:`probe.checks.check_option`), before any model work."""
+    parameters = inspect.signature(lookup(name)).parameters
+    unknown = sorted(set(given) - set(list(parameters)[3:]))
+    if unknown:
+        raise InvalidValueError(f"detector {name!r} takes no option {unknown}; its options: {options(name)}")
+    for option, value in given.items():
+        check_option(value, str(parameters[option].annotation), f"detector {name!r} option {option}")
 
 
 def check_detection_of(detection: Detection, sample: Sample) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from probe.at2 import HeadWeights
 from probe.attribution import AnswerAttribution, answer_attribution
-from probe.checks import check_layers, check_sample_fits
+from probe.checks import check_layers, check_sample, check_sample_fits, check_tokenizer
 from probe.detectors import registry
 from probe.detectors.one_pass import (
     _additive,
@@ -26,7 +26,7 @@ from probe.detectors.one_pass import (
     _information_flow_from,
 )
 from probe.detectors.registry import Detection, _on_cpu, _with_target
-from probe.errors import InvalidValueError
+from probe.errors import InvalidTypeError, InvalidValueError
 from probe.target import Contrast, describe
 from probe.tasks import Sample
 
@@ -47,13 +47,10 @@ def detect(
     Several samples: one :class:`Detection` each, the attention family from one batched pass
     (:func:`detect_many`).
     """
-    if name not in registry._REGISTRY:
-        raise InvalidValueError(
-            f"unknown detector {name!r}; registered detectors: {', '.join(registry._REGISTRY)}"
-        )
-    if not isinstance(sample, Sample):
+    detector = registry.lookup(name)
+    if isinstance(sample, (list, tuple)):
         return [found[name] for found in detect_many([name], model, tokenizer, sample, {name: options})]
-    return registry._REGISTRY[name](model, tokenizer, sample, **options)
+    return detector(model, tokenizer, sample, **options)
 
 
 def attribute(
@@ -78,10 +75,8 @@ def attribute(
     response as its answer), whose :meth:`~Detection.to_frame` has one row per source (text, score,
     rank) and whose view shows the text; :func:`probe.faithfulness.evaluate` and every metric take it.
     """
-    if method not in registry._REGISTRY:
-        raise InvalidValueError(
-            f"unknown method {method!r}; registered detectors: {', '.join(registry._REGISTRY)}"
-        )
+    registry.check_options(method, options)
+    check_tokenizer(tokenizer)
     if response is None:
         from probe.generation import answer
 
@@ -142,13 +137,22 @@ def detect_many(
     (:mod:`probe.batch`), the other detectors sample by sample.
     """
     single = isinstance(sample, Sample)
+    if not single and not (isinstance(sample, (list, tuple)) and sample):
+        got = repr(sample)[:60]
+        raise InvalidTypeError(f"sample must be a probe.Sample or a non-empty list of them, got {got}")
     samples = [sample] if single else list(sample)
+    if not isinstance(options or {}, Mapping):
+        raise InvalidTypeError(f"options must map detector names to their options, got {options!r:.80}")
     options = dict(options or {})
-    unknown = [name for name in [*names, *options] if name not in registry._REGISTRY]
-    if unknown:
-        raise InvalidValueError(
-            f"unknown detectors {unknown}; registered detectors: {', '.join(registry._REGISTRY)}"
-        )
+    if isinstance(names, str) or not isinstance(names, (list, tuple)):
+        raise InvalidTypeError(f"names must be a list of detector names, got {names!r}")
+    check_tokenizer(tokenizer, optional=True)
+    for name in [*names, *options]:
+        if not isinstance(options.get(name, {}), Mapping):
+            raise InvalidTypeError(f"options[{name!r}] must be a dict of options, got {options[name]!r:.80}")
+        registry.check_options(name, options.get(name, {}))
+    for one in samples:
+        check_sample(one)
     shared = {name: _settings(name, model, options.get(name, {})) for name in names if name in SHARED_PASS}
     layers = sorted({layer for settings in shared.values() for layer in settings.get("layers", ())})
     if "at2" in shared:  # its weights cover every head
@@ -156,7 +160,7 @@ def detect_many(
     for one in samples:
         check_sample_fits(model, one, tokenizer)
     explaining = [
-        name for name in shared if "target" in inspect.signature(registry._REGISTRY[name]).parameters
+        name for name in shared if "target" in inspect.signature(registry.lookup(name)).parameters
     ]
     given = [options.get(name, {}).get("target") for name in explaining]
     chosen = {describe(t) if t is None or isinstance(t, Contrast) else id(t): t for t in given}
@@ -194,7 +198,7 @@ def _ranking_at_hand(
     chosen = options.get(name, {})
     if name != "leave_one_out" or chosen.get("top_m") is None or "ranking" in chosen:
         return {}
-    defaults = inspect.signature(registry._REGISTRY[name]).parameters
+    defaults = inspect.signature(registry.lookup(name)).parameters
     rank_by = chosen.get("rank_by", defaults["rank_by"].default)
     if rank_by not in made or options.get(rank_by, {}).get("target") is not chosen.get("target"):
         return {}
@@ -208,7 +212,7 @@ PASS_OPTIONS = ("checkpoint", "target")
 def _settings(name: str, model, options: Mapping[str, Any]) -> dict[str, Any]:
     """Every option of detector ``name`` (``options`` over its defaults; ``layers`` checked), but
     :data:`PASS_OPTIONS`."""
-    bound = inspect.signature(registry._REGISTRY[name]).bind(model, None, None, **options)
+    bound = inspect.signature(registry.lookup(name)).bind(model, None, None, **options)
     bound.apply_defaults()
     settings = {key: bound.arguments[key] for key in list(bound.arguments)[3:] if key not in PASS_OPTIONS}
     if "layers" in settings:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from probe.checks import check_int, check_tokenizer
 from probe.errors import InvalidValueError
 from probe.tasks.document import document
 from probe.tasks.haystack import Depth
@@ -74,10 +75,12 @@ def make(
     :data:`SCORED_BY_MODEL`, the model that scores the text (ignored by the others, so one call builds
     any task). See the module docstring for ``options``.
     """
-    if task not in TASKS:
+    if not isinstance(task, str) or task not in TASKS:
         raise InvalidValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
     if not isinstance(length, int | np.integer) or length <= 0:
         raise InvalidValueError(f"length must be a positive number of tokens, got {length!r}")
+    check_int(seed, "seed", 0)
+    check_tokenizer(tokenizer)
     depth = depth if depth is None or np.isscalar(depth) else tuple(depth)
     settings = dict(task=task, length=int(length), seed=seed, depth=depth, options=options)
     if task in SCORED_BY_MODEL:

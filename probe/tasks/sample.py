@@ -42,7 +42,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from probe import views
-from probe.checks import tokenizer_fingerprint
+from probe.checks import check_tokenizer, tokenizer_fingerprint
 from probe.errors import InvalidTypeError, InvalidValueError
 
 CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "context", "question", "answer")
@@ -307,6 +307,7 @@ class Sample:
         template (default: when it has one). One tokenization, the same exact span mapping as the
         tasks: every detector, metric, view and faithfulness measure works on the result.
         """
+        check_tokenizer(tokenizer)
         for name, value in (("context", context), ("query", query)):
             if not isinstance(value, str) or not value.strip():
                 raise InvalidValueError(f"{name} must be non-empty text, got {value!r}")
@@ -480,7 +481,7 @@ def render(
 
     ``settings`` holds ``task, length, seed, depth, options`` and is stored on the sample.
     """
-    if not tokenizer.is_fast:
+    if not getattr(tokenizer, "is_fast", False):
         raise InvalidTypeError(
             f"{type(tokenizer).__name__} is a slow tokenizer without offset mapping; exact spans need a "
             "fast tokenizer (AutoTokenizer.from_pretrained(..., use_fast=True))"
