@@ -195,7 +195,9 @@ def check_tokenizer(tokenizer, optional: bool = False) -> PreTrainedTokenizerBas
     ``None`` where ``optional``."""
     if tokenizer is None and optional:
         return None
-    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+    # a tokenizer of another library: called on text, maps ids back
+    duck = callable(tokenizer) and any(hasattr(tokenizer, a) for a in ("decode", "convert_ids_to_tokens"))
+    if not isinstance(tokenizer, PreTrainedTokenizerBase) and not duck:
         raise InvalidTypeError(
             f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}: pass the one "
             "probe.load_model returned with the model (or AutoTokenizer.from_pretrained(...))"

@@ -94,8 +94,8 @@ def noise_restraint(
     if not lrs:
         raise InvalidValueError("lr is empty: give a step size or a list of them")
     for value in lrs:
-        check_number(value, "lr", 0, open_below=True)
-    check_number(beta, "beta", 0, open_below=True)
+        check_number(value, "lr")  # 0: no step; negative: a step along the gradient
+    check_number(beta, "beta")
     ids, targets = sample.input_ids, sample.target_positions
     layers, labels = check_layers(model, layers), sample.categories
     with torch.no_grad():

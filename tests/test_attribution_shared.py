@@ -119,9 +119,9 @@ def test_detect_many_runs_embedding_grad_alone_as_usual_and_refuses_bad_names(st
         monkeypatch.setattr(module, "answer_attribution", None)
     found = detectors.detect_many(["embedding_grad", "recency"], model, tokenizer, sample)
     assert_same_detection(found["embedding_grad"], probe.detect("embedding_grad", model, tokenizer, sample))
-    with pytest.raises(ValueError, match="unknown detectors"):
+    with pytest.raises(ValueError, match="unknown detector"):
         detectors.detect_many(["attention", "nope"], model, tokenizer, sample)
-    with pytest.raises(ValueError, match="unknown detectors"):
+    with pytest.raises(ValueError, match="unknown detector"):
         detectors.detect_many(["attention"], model, tokenizer, sample, {"atention": {"top_k": 3}})
     with pytest.raises(TypeError):
         detectors.detect_many(["attention"], model, tokenizer, sample, {"attention": {"p": 3}})

@@ -171,13 +171,14 @@ def test_gradient_detectors_match_retain_grad(story, tokenizer):
 
 def test_integrated_gradients_is_complete_and_reports_its_delta():
     model, sample = probe.tiny_model("llama"), hand_sample()
-    tokenizer = AutoTokenizer.from_pretrained(probe.models.converted_folder("smollm2-135m"))  # pad id < 128
+    tokenizer = AutoTokenizer.from_pretrained(probe.models.converted_folder("smollm2-135m"))
+    baseline = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     coarse = probe.detect("integrated_gradients", model, tokenizer, sample, n_steps=2, internal_batch_size=2)
     fine = probe.detect("integrated_gradients", model, tokenizer, sample, n_steps=32, internal_batch_size=32)
     assert fine.details["convergence_delta"] < 1e-4 < coarse.details["convergence_delta"]
     targets = sample.target_positions
     with torch.no_grad():  # completeness: Σ attributions = f(x) − f(baseline), f = −loss
-        pads = model.get_input_embeddings()(torch.zeros_like(sample.input_ids))[None]
+        pads = model.get_input_embeddings()(torch.full_like(sample.input_ids, baseline))[None]
         f_input = -probe.target_loss(model, sample.input_ids[None], targets)
         f_baseline = -probe.target_loss(model, sample.input_ids[None], targets, inputs_embeds=pads)
     assert fine.details["signed"].sum() == pytest.approx(float(f_input - f_baseline), abs=1e-4)

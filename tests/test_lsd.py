@@ -33,7 +33,7 @@ def test_no_token_with_a_short_context_is_a_clear_error(tiny, ids):
         lsd.lsd_scores(tiny, ids[:20], K=19)
     with pytest.raises(ValueError, match="longer than the model's context"):
         lsd.lsd_scores(tiny, torch.zeros(tiny.config.max_position_embeddings + 1, dtype=torch.long), K=8)
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(ValueError, match="must be at least 1"):
         logprobs.short_context_blocks(50, K=8, d=0)
 
 

@@ -165,7 +165,7 @@ def test_bad_arguments(tiny):
         plan(tiny, 100, "attention_matrices")
     with pytest.raises(IndexError, match="out of range"):
         plan(tiny, 100, layers=[7])
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="at least 1"):
         plan(tiny, 0)
 
 

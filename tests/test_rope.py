@@ -74,8 +74,8 @@ def test_the_model_is_restored_after_an_exception(tiny):
 @pytest.mark.parametrize(
     "factor, layer_types, message",
     [
-        (0.0, ("full_attention",), "positive"),
-        (-1.0, ("full_attention",), "positive"),
+        (0.0, ("full_attention",), "above 0"),
+        (-1.0, ("full_attention",), "above 0"),
         (2.0, ("local",), "unknown"),
     ],
 )
