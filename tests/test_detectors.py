@@ -342,3 +342,24 @@ def test_lsd_detector_flags_by_the_key_token_rule(story, tokenizer):
 def test_options_lists_what_a_detector_accepts():
     assert detectors.options("embedding_grad") == ["p", "checkpoint", "target"]
     assert "top_k" in detectors.options("attention") and "top_k" not in detectors.options("lsd")
+
+
+def test_grad_times_input_is_the_derivative_of_the_answer_logprob_along_each_embeddings_scale():
+    """e_i · ∂ log P/∂e_i = d log P(c · e_i)/dc at c = 1 (Euler), by central finite differences, with
+    its sign: what gradient × input measures is a token's embedding made louder, not removed."""
+    model, sample = probe.tiny_model("llama"), hand_sample()
+    found = probe.detect("grad_times_input", model, None, sample)
+    ids, targets = sample.input_ids[None], sample.target_positions
+    embeds = model.get_input_embeddings()(ids).detach()
+
+    def logprob(position: int, scale: float) -> float:
+        scaled = embeds.clone()
+        scaled[0, position] *= scale
+        with torch.no_grad():
+            loss = probe.target_loss(model, ids, targets, inputs_embeds=scaled)
+        return float(-len(targets) * loss)
+
+    eps = 1e-3
+    for position in range(0, sample.prompt_length, 3):
+        derivative = (logprob(position, 1 + eps) - logprob(position, 1 - eps)) / (2 * eps)
+        assert float(found.scores[position]) == pytest.approx(derivative, abs=2e-3)

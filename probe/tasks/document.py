@@ -24,9 +24,8 @@ import re
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from probe.tasks.haystack import build
-from probe.tasks.noise import noise_units
-from probe.tasks.sample import Prompt, Sample, Unit
+from probe.tasks.haystack import facts_in_essays
+from probe.tasks.sample import Prompt, Sample
 
 LANDMARKS = (
     "Bell Rock lighthouse", "Ardnacross mill", "Kestrel Point observatory", "Marlow canal lock",
@@ -83,15 +82,4 @@ def document(
         answer_pattern=r"\b(" + "|".join(map(re.escape, PEOPLE)) + r")\b",
         context_open="Context:\n",
     )
-    interference = [Unit(text, "interference") for text in distractors]
-    return build(
-        tokenizer,
-        prompt,
-        settings,
-        rng,
-        noise_units(rng),
-        [Unit(text, "supporting") for text in chain],
-        scattered=interference[1:],
-        after=interference[:1],
-        chat=chat,
-    )
+    return facts_in_essays(tokenizer, prompt, settings, rng, chain, distractors, chat=chat)

@@ -21,6 +21,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from probe.errors import InvalidValueError
+from probe.tasks.noise import noise_units
 from probe.tasks.sample import Prompt, Sample, Unit, render
 
 Depth = float | Sequence[float] | None
@@ -98,6 +99,32 @@ def build(
         tried[n] = layout(cumulative[: n + 1], units[:n])
         n = int(np.argmin(np.abs(cumulative - (cumulative[n] - tried[n].prompt_length + length))))
     return min(tried.values(), key=lambda sample: abs(sample.prompt_length - length))
+
+
+def facts_in_essays(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt,
+    settings: dict,
+    rng: np.random.Generator,
+    facts: Sequence[str],
+    interference: Sequence[str],
+    scattered: Sequence[Unit] = (),
+    chat: bool | None = None,
+) -> Sample:
+    """Supporting ``facts`` in order in essay noise, the ``interference`` sentences scattered through it,
+    the first of them after the last fact (CDT's rule), and further ``scattered`` units."""
+    distractors = [Unit(text, "interference") for text in interference]
+    return build(
+        tokenizer,
+        prompt,
+        settings,
+        rng,
+        noise_units(rng),
+        [Unit(fact, "supporting") for fact in facts],
+        scattered=[*distractors[1:], *scattered],
+        after=distractors[:1],
+        chat=chat,
+    )
 
 
 def _draw_filler(

@@ -21,8 +21,8 @@ from transformers import PreTrainedTokenizerBase
 
 from probe.errors import InvalidValueError
 from probe.tasks import words
-from probe.tasks.haystack import build
-from probe.tasks.noise import EMOJI, emoji, noise_units
+from probe.tasks.haystack import facts_in_essays
+from probe.tasks.noise import EMOJI, emoji
 from probe.tasks.sample import Prompt, Sample, Unit
 
 INSTRUCTION = (
@@ -69,7 +69,7 @@ def story(
     for _ in range(int(rng.integers(len(facts), 2 * len(facts) + 1))):
         verb = pick([words.MOVE, words.PICK, words.DROP])
         target = pick(words.PLACES) if verb is words.MOVE else pick(objects)
-        interference.append(Unit(f"{pick(characters)} {pick(verb)} the {target}.", "interference"))
+        interference.append(f"{pick(characters)} {pick(verb)} the {target}.")
     prompt = Prompt(
         instruction=INSTRUCTION,
         question=question,
@@ -77,14 +77,5 @@ def story(
         answer_prefix=answer_prefix,
         answer_pattern=r"\b(" + "|".join(map(re.escape, words.PLACES)) + r")\b",
     )
-    return build(
-        tokenizer,
-        prompt,
-        settings,
-        rng,
-        noise_units(rng),
-        [Unit(fact, "supporting") for fact in facts],
-        scattered=interference[1:] + [Unit(e, "low_frequency") for e in emoji(rng, emojis)],
-        after=interference[:1],
-        chat=chat,
-    )
+    low_frequency = [Unit(e, "low_frequency") for e in emoji(rng, emojis)]
+    return facts_in_essays(tokenizer, prompt, settings, rng, facts, interference, low_frequency, chat)
