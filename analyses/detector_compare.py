@@ -299,6 +299,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     }
     if unused:
         parser.error(f"--task-options {sorted(unused)}: no task of --tasks takes them")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
     if args.ceiling_masks < 0:
         parser.error("--ceiling-masks must be 0 (no ceiling) or a number of masks")
     if args.length < 64:

@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.samples, args.steps = 2, [0.01, 0.1, 1.0, 10.0]
     if args.samples < 1:
         parser.error("--samples must be at least 1")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
     check_out(parser, args.out)
     check_device_arguments(parser, args)
     return args

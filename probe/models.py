@@ -250,6 +250,13 @@ def load_model(
         )
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise InvalidTypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if device is not None:
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError, ValueError, TypeError) as error:
+            raise InvalidValueError(
+                f"device {device!r} is not available here ({error}); give one this machine has, e.g. 'cpu'"
+            ) from None
     if device is not None and device_map is not None:
         raise InvalidValueError(
             "give device or device_map, not both (device_map dispatches the model itself)"

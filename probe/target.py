@@ -42,13 +42,22 @@ class Contrast:
     foil: torch.Tensor
 
     def __call__(self, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        return answer_logprob(logits, answer) - answer_logprob(logits, self.check(answer).to(answer.device))
+
+    def check(self, answer: torch.Tensor) -> torch.Tensor:
+        """The foil as LongTensor[k], refused unless it is another answer of the answer's length."""
         foil = torch.as_tensor(self.foil, dtype=torch.long).reshape(-1)
         if foil.shape != answer.shape:
             raise InvalidValueError(
                 f"the foil has {foil.numel()} tokens, the answer {answer.numel()}: a contrast compares "
                 "two answers token by token at the same rows; use foils of the answer's token length"
             )
-        return answer_logprob(logits, answer) - answer_logprob(logits, foil)
+        if torch.equal(foil.cpu(), answer.cpu()):
+            raise InvalidValueError(
+                "the foil is the answer itself: the contrast log p(answer) − log p(foil) is identically 0 "
+                "and every detector would rank noise; give a different foil"
+            )
+        return foil
 
 
 def resolve(target: Target | None) -> Target:

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 import probe
 from probe import detectors, tasks
 from probe.models import converted_folder
+from probe.target import Contrast
 
 EXAMPLES = int(os.environ.get("LONGPROBE_FUZZ_EXAMPLES", 6))
 NOT_CALLED = {"detectors", "errors", "metrics", "LongprobeError", "UnsupportedModelError",
@@ -186,3 +187,19 @@ def test_every_detector_option_gets_a_longprobe_error_or_a_result(detector, opti
         f"detect({detector!r}, {chosen}={value!r})",
         ruled_out(detectors.registry.lookup(detector), chosen, value),
     )
+
+
+def test_the_silent_and_misleading_cases_are_refused_with_what_to_do():
+    c = context()
+    model, tokenizer, sample = c["model"], c["tokenizer"], c["sample"]
+    answer = sample.input_ids[sample.target_positions]
+    with pytest.raises(probe.errors.InvalidValueError, match="foil is the answer itself"):
+        probe.detect("information_flow", model, tokenizer, sample, target=Contrast(answer))
+    prompt_only = probe.Sample.from_text(tokenizer, "Mary went home.", "Where is Mary?")
+    with pytest.raises(probe.errors.InvalidValueError, match="no answer to explain"):
+        probe.detect("leave_one_out", model, tokenizer, prompt_only)
+    found = probe.detect("recency", model, tokenizer, sample)
+    with pytest.raises(probe.errors.InvalidValueError, match="pass the sample it was made for"):
+        found.to_frame(tokenizer, prompt_only)
+    with pytest.raises(probe.errors.InvalidValueError, match="not available here"):
+        probe.load_model("smollm2-135m", device="nowhere:0")

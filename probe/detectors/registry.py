@@ -25,7 +25,7 @@ from probe.checks import check_option, check_sample, check_sample_fits, check_to
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import source_scores
 from probe.results import read_json, write_json
-from probe.target import describe
+from probe.target import Contrast, describe
 from probe.tasks import Sample
 
 
@@ -95,6 +95,11 @@ class Detection:
         if rows != "token":
             raise InvalidValueError(f"rows must be 'token' or 'source', got {rows!r}")
         sample = sample if sample is not None or tokenizer is None else self.sample
+        if sample is not None and len(sample.input_ids) != len(self.scores):
+            raise InvalidValueError(
+                f"the sample has {len(sample.input_ids)} tokens, this detection {len(self.scores)} scores: "
+                "pass the sample it was made for"
+            )
         frame = pd.DataFrame(
             {
                 "position": np.arange(len(self.scores)),
@@ -175,6 +180,9 @@ def register(name: str) -> Callable[[Detector], Detector]:
             check_options(name, options)
             check_tokenizer(tokenizer, optional=True)  # the sample carries its ids
             check_sample(sample)
+            check_answered(sample)
+            if isinstance(options.get("target"), Contrast):  # before any model work
+                options["target"].check(sample.input_ids[sample.target_positions])
             check_sample_fits(model, sample, tokenizer)
             start = time.perf_counter()
             detection = _on_cpu(_with_target(fn(model, tokenizer, sample, **options), options.get("target")))
@@ -239,6 +247,15 @@ def check_options(name: str, given: dict[str, Any]) -> None:
         raise InvalidValueError(f"detector {name!r} takes no option {unknown}; its options: {options(name)}")
     for option, value in given.items():
         check_option(value, str(parameters[option].annotation), f"detector {name!r} option {option}")
+
+
+def check_answered(sample: Sample) -> None:
+    """Refuse a prompt-only sample: a detector explains the answer's tokens, and it has none."""
+    if len(sample.target_positions) == 0:
+        raise InvalidValueError(
+            "the sample has no answer to explain (a prompt only): give response= to Sample.from_text, or "
+            "let probe.attribute generate the model's own answer"
+        )
 
 
 def check_detection_of(detection: Detection, sample: Sample) -> None:

@@ -153,6 +153,7 @@ def detect_many(
         registry.check_options(name, options.get(name, {}))
     for one in samples:
         check_sample(one)
+        registry.check_answered(one)
     shared = {name: _settings(name, model, options.get(name, {})) for name in names if name in SHARED_PASS}
     layers = sorted({layer for settings in shared.values() for layer in settings.get("layers", ())})
     if "at2" in shared:  # its weights cover every head
@@ -169,6 +170,8 @@ def detect_many(
             "the detectors of one shared pass explain one target: give each the same target="
         )
     (target,) = chosen.values() if chosen else (None,)
+    for one in samples if isinstance(target, Contrast) else ():  # before any model work
+        target.check(one.input_ids[one.target_positions])
     attributions, start = [None] * len(samples), time.perf_counter()
     if layers:
         ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
