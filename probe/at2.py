@@ -31,7 +31,7 @@ import torch
 from probe.attribution import AnswerAttribution
 from probe.checks import hf_model
 from probe.errors import InvalidTypeError, InvalidValueError
-from probe.results import read_json, write_json
+from probe.results import read_json, reading, write_json
 from probe.tasks import Sample
 
 FEATURES = ("attention", "saliency")
@@ -104,7 +104,8 @@ class HeadWeights:
     @classmethod
     def load(cls, path: str | Path) -> HeadWeights:
         record = read_json(path, "HeadWeights", ("weights", "settings"))
-        return cls(torch.tensor(record["weights"]), record["settings"])
+        with reading(path, "HeadWeights"):
+            return cls(torch.tensor(record["weights"]), record["settings"])
 
     @classmethod
     def bundled(cls, model) -> HeadWeights | None:

@@ -20,7 +20,7 @@ import torch
 
 from probe.batch import Batch, batch_loss, batch_of, is_batch
 from probe.capture import trace
-from probe.checks import check_input_ids, check_layers, hf_model, input_device
+from probe.checks import check_input_ids, check_integers, check_layers, hf_model, input_device
 from probe.errors import InvalidValueError
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters
@@ -37,7 +37,7 @@ def _batch(model, input_ids: Ids, positions, attention_mask, what: str, minimum:
     if is_batch(input_ids, attention_mask):
         return batch_of(model, input_ids, positions, attention_mask, what, minimum), False
     ids = check_input_ids(model, input_ids)
-    return batch_of(model, ids, [positions], None, what, minimum), True
+    return batch_of(model, ids, [check_integers(positions, what)], None, what, minimum), True
 
 
 def _per_sequence(cache, kind: str, layers: list[int], batch: Batch, b: int) -> torch.Tensor:

@@ -2,10 +2,16 @@
 against the actual model and input before any model work, with the argument's name, what it got
 and what to do in the message.
 
-- ``TypeError``: the wrong kind (a fraction, a bool, a string where integers belong);
-- ``IndexError``: out of range for this model or input;
-- ``ValueError``: empty, repeated, or inconsistent with another argument;
-- :class:`UnsupportedModelError`: a model whose attention longprobe cannot serve.
+The contract (:mod:`probe.errors`): every public function of ``probe`` returns a correct result or
+raises a :class:`~probe.errors.LongprobeError` naming the argument, what it got and what to do, before
+any model work; no raw error from torch, numpy, pandas, transformers or Python reaches the user but
+``KeyboardInterrupt`` and a genuine out-of-memory. ``tests/test_error_contract.py`` fuzzes it.
+
+- :class:`~probe.errors.InvalidTypeError`: the wrong kind (a fraction, a bool, a string where
+  integers belong, a tensor where a ``Sample`` belongs);
+- :class:`~probe.errors.OutOfRangeError`: out of range for this model or input;
+- :class:`~probe.errors.InvalidValueError`: empty, repeated, or inconsistent with another argument;
+- :class:`~probe.errors.UnsupportedModelError`: a model whose attention longprobe cannot serve.
 """
 
 from __future__ import annotations

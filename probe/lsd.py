@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from probe import alignment, logprobs
 from probe.checks import hf_model
 from probe.errors import InvalidTypeError, InvalidValueError
-from probe.results import read_json, write_json
+from probe.results import read_json, reading, write_json
 
 __all__ = [
     "KeyTokens",
@@ -175,16 +175,17 @@ class KeyTokens:
     @classmethod
     def load(cls, path: str | Path) -> KeyTokens:
         record = read_json(path, "KeyTokens", ("text", "input_ids", "offsets", "lsd", "lcl", "key", "soft"))
-        return cls(
-            text=record["text"],
-            input_ids=torch.tensor(record["input_ids"], dtype=torch.long),
-            offsets=np.asarray(record["offsets"], dtype=np.int64).reshape(-1, 2),
-            lsd=torch.tensor(record["lsd"], dtype=torch.float32),
-            lcl=torch.tensor(record["lcl"], dtype=torch.float32),
-            key=torch.tensor(record["key"], dtype=torch.bool),
-            soft=torch.tensor(record["soft"], dtype=torch.float32),
-            settings=record["settings"],
-        )
+        with reading(path, "KeyTokens"):
+            return cls(
+                text=record["text"],
+                input_ids=torch.tensor(record["input_ids"], dtype=torch.long),
+                offsets=np.asarray(record["offsets"], dtype=np.int64).reshape(-1, 2),
+                lsd=torch.tensor(record["lsd"], dtype=torch.float32),
+                lcl=torch.tensor(record["lcl"], dtype=torch.float32),
+                key=torch.tensor(record["key"], dtype=torch.bool),
+                soft=torch.tensor(record["soft"], dtype=torch.float32),
+                settings=record["settings"],
+            )
 
 
 def find_key_tokens(
@@ -302,7 +303,8 @@ class LongPPLResult:
     @classmethod
     def load(cls, path: str | Path) -> LongPPLResult:
         record = read_json(path, "LongPPLResult", [f.name for f in fields(cls)])
-        return cls(**record | {"key_spans": [tuple(span) for span in record["key_spans"]]})
+        with reading(path, "LongPPLResult"):
+            return cls(**record | {"key_spans": [tuple(span) for span in record["key_spans"]]})
 
 
 @torch.no_grad()

@@ -11,12 +11,13 @@ import json
 import os
 import secrets
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import pandas as pd
 
-from probe.errors import InvalidValueError, NotFoundError
+from probe.errors import InvalidValueError, LongprobeError, NotFoundError
 
 
 @runtime_checkable
@@ -53,6 +54,21 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
 def write_json(path: str | Path, record: Any) -> Path:
     """``record`` as JSON at ``path``, atomically."""
     return atomic_write(path, lambda tmp: tmp.write_text(json.dumps(record)))
+
+
+@contextmanager
+def reading(path: str | Path, what: str):
+    """Turn a malformed field met while building a ``what`` from the file at ``path`` (a number where a
+    list belongs, a missing inner key) into an error that names the file and what was expected."""
+    try:
+        yield
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as error:
+        if isinstance(error, LongprobeError):
+            raise
+        raise InvalidValueError(
+            f"{path} is not a valid {what} file: a field is malformed ({type(error).__name__}: {error}); "
+            f"expected a file written by {what}.save()"
+        ) from None
 
 
 def read_json(path: str | Path, what: str, keys: Sequence[str] = ()) -> Any:

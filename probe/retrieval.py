@@ -26,7 +26,7 @@ from probe import views
 from probe.capture import trace
 from probe.checks import cache_keyword, check_input_ids, check_sample, check_tokenizer, hf_model, n_layers
 from probe.errors import InvalidTypeError, InvalidValueError
-from probe.results import read_json, write_json
+from probe.results import read_json, reading, write_json
 from probe.shared_state import frozen_parameters
 from probe.tasks import Sample
 
@@ -175,29 +175,30 @@ class RetrievalScores:
         """Read a file :meth:`save` wrote, or one in Wu et al.'s layout (:meth:`to_json`, ours or a
         published one: no trials, no argmax, every listed trial counts)."""
         record = read_json(path, "RetrievalScores")
-        if "scores" in record:
-            return cls(
-                torch.tensor(record["scores"]),
-                pd.DataFrame.from_dict(record["trials"], orient="tight"),
-                record["settings"],
-                [torch.tensor(argmax, dtype=torch.long) for argmax in record["argmax"]],
-            )
-        if not record or not all(re.fullmatch(r"\d+-\d+", key) for key in record):
-            raise InvalidValueError(
-                f"{path} is not a RetrievalScores file: expected 'scores', 'trials' and 'settings' "
-                "(RetrievalScores.save()) or Wu et al.'s layout, 'layer-head' keys such as '12-3', "
-                f"got keys {sorted(record)[:8]}"
-            )
-        keys = [tuple(map(int, key.split("-"))) for key in record]
-        layers, heads = max(k[0] for k in keys) + 1, max(k[1] for k in keys) + 1
-        trials = {len(values) for values in record.values()}
-        if len(trials) != 1:
-            raise InvalidValueError(f"{path}: heads list different numbers of trials {sorted(trials)}")
-        scores = torch.zeros(trials.pop(), layers, heads)
-        for (layer, head), values in zip(keys, record.values(), strict=True):
-            scores[:, layer, head] = torch.tensor(values)
-        settings = {"source": str(path), "require_correct": False}
-        return cls(scores, pd.DataFrame(index=range(len(scores))), settings)
+        with reading(path, "RetrievalScores"):
+            if "scores" in record:
+                return cls(
+                    torch.tensor(record["scores"]),
+                    pd.DataFrame.from_dict(record["trials"], orient="tight"),
+                    record["settings"],
+                    [torch.tensor(argmax, dtype=torch.long) for argmax in record["argmax"]],
+                )
+            if not record or not all(re.fullmatch(r"\d+-\d+", key) for key in record):
+                raise InvalidValueError(
+                    f"{path} is not a RetrievalScores file: expected 'scores', 'trials' and 'settings' "
+                    "(RetrievalScores.save()) or Wu et al.'s layout, 'layer-head' keys such as '12-3', "
+                    f"got keys {sorted(record)[:8]}"
+                )
+            keys = [tuple(map(int, key.split("-"))) for key in record]
+            layers, heads = max(k[0] for k in keys) + 1, max(k[1] for k in keys) + 1
+            trials = {len(values) for values in record.values()}
+            if len(trials) != 1:
+                raise InvalidValueError(f"{path}: heads list different numbers of trials {sorted(trials)}")
+            scores = torch.zeros(trials.pop(), layers, heads)
+            for (layer, head), values in zip(keys, record.values(), strict=True):
+                scores[:, layer, head] = torch.tensor(values)
+            settings = {"source": str(path), "require_correct": False}
+            return cls(scores, pd.DataFrame(index=range(len(scores))), settings)
 
 
 @torch.no_grad()

@@ -203,3 +203,28 @@ def test_the_silent_and_misleading_cases_are_refused_with_what_to_do():
         found.to_frame(tokenizer, prompt_only)
     with pytest.raises(probe.errors.InvalidValueError, match="not available here"):
         probe.load_model("smollm2-135m", device="nowhere:0")
+
+
+@pytest.mark.parametrize(
+    "kind, record",
+    [("RetrievalScores", {"scores": 3, "trials": 5, "settings": {}, "argmax": []}),
+     ("Detection", {"scores": "x", "flagged": [1], "settings": {}, "details": []}),
+     ("HeadWeights", {"weights": {"a": 1}, "settings": 2})],
+)  # fmt: skip
+def test_a_result_file_with_a_malformed_field_names_the_file(tmp_path, kind, record):
+    import json
+
+    from probe.at2 import HeadWeights
+
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(record))
+    load = {"RetrievalScores": probe.RetrievalScores, "Detection": probe.Detection,
+            "HeadWeights": HeadWeights}  # fmt: skip
+    with pytest.raises(probe.errors.InvalidValueError, match=f"not a valid {kind} file"):
+        load[kind].load(path)
+
+
+def test_a_bare_position_says_to_pass_a_list():
+    model = probe.tiny_model("llama")
+    with pytest.raises(probe.errors.InvalidTypeError, match=r"pass \[10\]"):
+        probe.information_flow(model, torch.arange(20), 10)

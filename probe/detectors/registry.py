@@ -24,7 +24,7 @@ from probe import views
 from probe.checks import check_option, check_sample, check_sample_fits, check_tokenizer
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import source_scores
-from probe.results import read_json, write_json
+from probe.results import read_json, reading, write_json
 from probe.target import Contrast, describe
 from probe.tasks import Sample
 
@@ -147,15 +147,17 @@ class Detection:
     def load(cls, path: str | Path) -> Detection:
         """The detection :meth:`save` wrote."""
         record = read_json(path, "Detection", ("scores", "flagged", "settings", "details"))
-        return cls(
-            name=record.get("name"),
-            rows=record.get("rows", "token"),
-            seconds=record.get("seconds"),
-            scores=torch.tensor(record["scores"]),
-            flagged=torch.tensor(record["flagged"], dtype=torch.bool),
-            settings=record["settings"],
-            details={k: torch.tensor(v) if isinstance(v, list) else v for k, v in record["details"].items()},
-        )
+        with reading(path, "Detection"):
+            details = {k: torch.tensor(v) if isinstance(v, list) else v for k, v in record["details"].items()}
+            return cls(
+                name=record.get("name"),
+                rows=record.get("rows", "token"),
+                seconds=record.get("seconds"),
+                scores=torch.tensor(record["scores"]),
+                flagged=torch.tensor(record["flagged"], dtype=torch.bool),
+                settings=record["settings"],
+                details=details,
+            )
 
 
 Detector = Callable[..., Detection]
