@@ -241,12 +241,13 @@ def options(name: str) -> list[str]:
 
 
 def check_options(name: str, given: dict[str, Any]) -> None:
-    """Refuse an option detector ``name`` does not take, and a value its annotation rules out
+    """Refuse an option detector ``name`` does not take (a ``TypeError``, as Python refuses an unexpected
+    keyword), and a value its annotation rules out
     (:func:`probe.checks.check_option`), before any model work."""
     parameters = inspect.signature(lookup(name)).parameters
     unknown = sorted(set(given) - set(list(parameters)[3:]))
     if unknown:
-        raise InvalidValueError(f"detector {name!r} takes no option {unknown}; its options: {options(name)}")
+        raise InvalidTypeError(f"detector {name!r} takes no option {unknown}; its options: {options(name)}")
     for option, value in given.items():
         check_option(value, str(parameters[option].annotation), f"detector {name!r} option {option}")
 
