@@ -1,0 +1,91 @@
+"""The exchange between longprobe and a public attribution package run in an environment of its own.
+
+A peer never runs inside longprobe (several pin other transformers versions). longprobe writes each
+sample as one JSON line (:func:`export`): its ``key``, the ``text`` the model reads (chat template
+included), the ``prompt`` (the text before the answer), the ``answer``, the character range of every
+source in ``text`` (``sources``: ``[[start, end], ...]``, in order) and the ``model`` folder. A peer's
+runner writes one JSON line per sample back: the ``key``, ``scores`` (one number per source, in
+order) and the ``seconds`` it spent. :func:`read_scores` checks them; :func:`judge` judges every method
+with the same exact ablation as longprobe's own detectors (:func:`probe.faithfulness.evaluate`, with
+the additive ceiling).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from probe import faithfulness
+from probe.errors import InvalidValueError
+from probe.results import atomic_write
+from probe.tasks import Sample
+
+
+def sample_key(sample: Sample) -> str:
+    """The name a sample travels under: task, length and seed."""
+    return f"{sample.task}-{sample.length}-{sample.seed}"
+
+
+def export(samples: Sequence[Sample], model_folder: str | Path, path: str | Path) -> Path:
+    """Write ``samples`` for a peer (module docstring), one JSON line each, atomically."""
+    lines = [
+        json.dumps(
+            {
+                "key": sample_key(sample),
+                "text": sample.text,
+                "prompt": sample.prompt_text,
+                "answer": sample.answer,
+                "sources": [list(sample.char_spans[s.category][s.index]) for s in sample.sources],
+                "model": str(model_folder),
+            }
+        )
+        for sample in samples
+    ]
+    return atomic_write(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+
+
+def read_scores(path: str | Path, samples: Sequence[Sample]) -> dict[str, tuple[torch.Tensor, float]]:
+    """A peer's answer: sample key -> (Tensor[sources], seconds), checked against ``samples``."""
+    wanted = {sample_key(sample): len(sample.sources) for sample in samples}
+    found = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        record = json.loads(line)
+        key, scores = record.get("key"), record.get("scores")
+        if key not in wanted:
+            raise InvalidValueError(f"{path}:{number}: sample {key!r} was not exported")
+        if not isinstance(scores, list) or len(scores) != wanted[key]:
+            got = len(scores) if isinstance(scores, list) else type(scores).__name__
+            raise InvalidValueError(
+                f"{path}:{number}: {key} needs {wanted[key]} scores, one a source: got {got}"
+            )
+        if not all(isinstance(x, int | float) and math.isfinite(x) for x in scores):
+            raise InvalidValueError(f"{path}:{number}: {key} has scores that are not finite numbers")
+        found[key] = (torch.tensor(scores, dtype=torch.float32), float(record.get("seconds", math.nan)))
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise InvalidValueError(f"{path}: no scores for {missing}")
+    return found
+
+
+def judge(
+    model,
+    samples: Sequence[Sample],
+    methods: Mapping[str, Mapping[str, tuple[torch.Tensor, float]]],
+    ceiling_masks: int = 256,
+    **evaluate,
+) -> pd.DataFrame:
+    """Every method's faithfulness on every sample, one row per (sample, method), with the additive
+    ceiling and each method's ``seconds``: ``methods`` maps a method's name to :func:`read_scores`."""
+    rows = []
+    for sample in samples:
+        key = sample_key(sample)
+        scores = {name: found[key][0] for name, found in methods.items()}
+        frame = faithfulness.evaluate(model, sample, scores, ceiling_masks=ceiling_masks, **evaluate)
+        seconds = {name: found[key][1] for name, found in methods.items()}
+        rows.append(frame.assign(sample=key, seconds=frame.scorer.map(seconds)))
+    return pd.concat(rows, ignore_index=True)

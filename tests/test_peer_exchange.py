@@ -1,0 +1,57 @@
+"""The peers' exchange (bench/peers/exchange.py) round trip through a fake peer in another process."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import probe
+from probe import tasks
+from probe.models import converted_folder
+
+PEERS = Path(__file__).resolve().parents[1] / "bench" / "peers"
+sys.path.insert(0, str(PEERS))
+
+import exchange  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def samples():
+    tokenizer = AutoTokenizer.from_pretrained(converted_folder("smollm2-135m"))
+    return [tasks.make("document-1", tokenizer, 200, seed=seed) for seed in (0, 1)]
+
+
+def test_a_peer_round_trip_is_judged_like_our_detectors(samples, tmp_path):
+    exported = exchange.export(samples, "model-folder", tmp_path / "samples.jsonl")
+    subprocess.run([sys.executable, str(PEERS / "fake_peer.py"), str(exported), str(tmp_path / "out.jsonl")],
+                   check=True)  # fmt: skip
+    scores = exchange.read_scores(tmp_path / "out.jsonl", samples)
+    for sample in samples:
+        spans = [sample.char_spans[s.category][s.index] for s in sample.sources]
+        lengths = [end - start for start, end in spans]
+        assert scores[exchange.sample_key(sample)][0].tolist() == lengths
+    vocab = len(AutoTokenizer.from_pretrained(converted_folder("smollm2-135m")))
+    model = probe.tiny_model("llama", vocab_size=vocab, max_position_embeddings=512)
+    table = exchange.judge(model, samples, {"fake": scores}, ceiling_masks=24, ks=(1,), n_masks=8)
+    assert set(table.scorer) == {"fake", "additive_ceiling"} and len(table) == 4
+    one = samples[0]
+    direct = probe.faithfulness.evaluate(model, one, {"fake": scores[exchange.sample_key(one)][0]},
+                                         ks=(1,), n_masks=8, ceiling_masks=24)  # fmt: skip
+    mine = table[table["sample"] == exchange.sample_key(one)].reset_index(drop=True)
+    assert mine.lds.tolist() == pytest.approx(direct.lds.tolist())
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [('{"key": "nope", "scores": []}', "was not exported"),
+     ('{"key": "KEY", "scores": [1.0]}', "scores, one a source: got 1"),
+     ('{"key": "KEY", "scores": NAN}', "not finite")],
+)  # fmt: skip
+def test_a_malformed_peer_answer_is_refused(samples, tmp_path, line, message):
+    key, n = exchange.sample_key(samples[0]), len(samples[0].sources)
+    bad = line.replace("KEY", key).replace("NAN", "[" + ", ".join(["NaN"] * n) + "]")
+    (tmp_path / "out.jsonl").write_text(bad + "\n")
+    with pytest.raises(probe.errors.InvalidValueError, match=message):
+        exchange.read_scores(tmp_path / "out.jsonl", samples[:1])
