@@ -90,7 +90,7 @@ def noise_restraint(
     for small enough steps. ``checkpoint``: the gradient pass's (see :mod:`probe.attribution`).
     """
     check_sample(sample)
-    lrs = lr if isinstance(lr, (list, tuple)) else [lr]
+    lrs = np.atleast_1d(np.asarray(lr, dtype=object)).tolist()
     if not lrs:
         raise InvalidValueError("lr is empty: give a step size or a list of them")
     for value in lrs:
@@ -107,7 +107,7 @@ def noise_restraint(
     counts = pd.Series(labels).value_counts()
     moved_counts = pd.Series(labels[moved.numpy()]).value_counts().reindex(counts.index, fill_value=0)
     frames = []
-    for step_lr in np.atleast_1d(lr).tolist():
+    for step_lr in lrs:
         denoised = denoised_embeddings(embeds, grads, moved, step_lr, beta)
         after, loss_after = answer_attention(model, ids, targets, layers, denoised)
         after = category_mass(after, labels).set_axis(layers).stack()
