@@ -55,3 +55,15 @@ def test_a_malformed_peer_answer_is_refused(samples, tmp_path, line, message):
     (tmp_path / "out.jsonl").write_text(bad + "\n")
     with pytest.raises(probe.errors.InvalidValueError, match=message):
         exchange.read_scores(tmp_path / "out.jsonl", samples[:1])
+
+
+def test_a_sample_the_peer_failed_on_is_a_recorded_failure_not_a_score(samples, tmp_path):
+    first, second = (exchange.sample_key(s) for s in samples)
+    n = len(samples[1].sources)
+    (tmp_path / "out.jsonl").write_text(
+        f'{{"key": "{first}", "error": "OutOfMemoryError: at 1024 tokens"}}\n'
+        f'{{"key": "{second}", "scores": {[1.0] * n}, "seconds": 2.5}}\n'
+    )
+    assert exchange.failures(tmp_path / "out.jsonl") == {first: "OutOfMemoryError: at 1024 tokens"}
+    scores = exchange.read_scores(tmp_path / "out.jsonl", samples)
+    assert list(scores) == [second] and scores[second][1] == 2.5

@@ -5,9 +5,10 @@ sample as one JSON line (:func:`export`): its ``key``, the ``text`` the model re
 included), the ``prompt`` (the text before the answer), the ``answer``, the character range of every
 source in ``text`` (``sources``: ``[[start, end], ...]``, in order) and the ``model`` folder. A peer's
 runner writes one JSON line per sample back: the ``key``, ``scores`` (one number per source, in
-order) and the ``seconds`` it spent. :func:`read_scores` checks them; :func:`judge` judges every method
-with the same exact ablation as longprobe's own detectors (:func:`probe.faithfulness.evaluate`, with
-the additive ceiling).
+order) and the ``seconds`` it spent, or the ``error`` that stopped it on that sample (a failure is a
+result: :func:`failures` reads them). :func:`read_scores` checks the scores; :func:`judge` judges every
+method with the same exact ablation as longprobe's own detectors (:func:`probe.faithfulness.evaluate`,
+with the additive ceiling).
 """
 
 from __future__ import annotations
@@ -49,15 +50,24 @@ def export(samples: Sequence[Sample], model_folder: str | Path, path: str | Path
     return atomic_write(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
 
+def failures(path: str | Path) -> dict[str, str]:
+    """The samples a peer could not score: sample key -> its error."""
+    records = (json.loads(line) for line in Path(path).read_text().splitlines())
+    return {record["key"]: record["error"] for record in records if "error" in record}
+
+
 def read_scores(path: str | Path, samples: Sequence[Sample]) -> dict[str, tuple[torch.Tensor, float]]:
-    """A peer's answer: sample key -> (Tensor[sources], seconds), checked against ``samples``."""
+    """A peer's scores: sample key -> (Tensor[sources], seconds), checked against ``samples``; every
+    sample must be scored or have failed (:func:`failures`)."""
     wanted = {sample_key(sample): len(sample.sources) for sample in samples}
-    found = {}
+    found, failed = {}, failures(path)
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         record = json.loads(line)
         key, scores = record.get("key"), record.get("scores")
         if key not in wanted:
             raise InvalidValueError(f"{path}:{number}: sample {key!r} was not exported")
+        if key in failed:
+            continue
         if not isinstance(scores, list) or len(scores) != wanted[key]:
             got = len(scores) if isinstance(scores, list) else type(scores).__name__
             raise InvalidValueError(
@@ -66,7 +76,7 @@ def read_scores(path: str | Path, samples: Sequence[Sample]) -> dict[str, tuple[
         if not all(isinstance(x, int | float) and math.isfinite(x) for x in scores):
             raise InvalidValueError(f"{path}:{number}: {key} has scores that are not finite numbers")
         found[key] = (torch.tensor(scores, dtype=torch.float32), float(record.get("seconds", math.nan)))
-    missing = sorted(set(wanted) - set(found))
+    missing = sorted(set(wanted) - set(found) - set(failed))
     if missing:
         raise InvalidValueError(f"{path}: no scores for {missing}")
     return found
@@ -80,12 +90,13 @@ def judge(
     **evaluate,
 ) -> pd.DataFrame:
     """Every method's faithfulness on every sample, one row per (sample, method), with the additive
-    ceiling and each method's ``seconds``: ``methods`` maps a method's name to :func:`read_scores`."""
+    ceiling and each method's ``seconds``: ``methods`` maps a method's name to :func:`read_scores` (a
+    method that failed on a sample has no row for it)."""
     rows = []
     for sample in samples:
         key = sample_key(sample)
-        scores = {name: found[key][0] for name, found in methods.items()}
+        scores = {name: found[key][0] for name, found in methods.items() if key in found}
         frame = faithfulness.evaluate(model, sample, scores, ceiling_masks=ceiling_masks, **evaluate)
-        seconds = {name: found[key][1] for name, found in methods.items()}
+        seconds = {name: found[key][1] for name, found in methods.items() if key in found}
         rows.append(frame.assign(sample=key, seconds=frame.scorer.map(seconds)))
     return pd.concat(rows, ignore_index=True)

@@ -1,0 +1,50 @@
+"""Export the held-out study's samples (figures/studies/heldout_protocol.md) for the peers.
+
+    python bench/peers/export_samples.py --model smollm2-135m --out samples.jsonl \
+        [--tasks multihop-4 kv document-2 key-token] [--samples 6] [--seed 5000] [--length 1024]
+
+Writes :func:`exchange.export`'s JSON lines; the ``model`` field is the converted model's folder, which
+every peer loads with its own transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import exchange  # noqa: E402
+
+from probe import load_model, tasks  # noqa: E402
+from probe.models import converted_folder  # noqa: E402
+
+HELDOUT_TASKS = ("multihop-4", "kv", "document-2", "key-token")
+
+
+def heldout_samples(model, tokenizer, task_names, n: int, seed: int, length: int) -> list[tasks.Sample]:
+    """The protocol's samples: for each task, seeds ``seed`` .. ``seed + n - 1``."""
+    return [
+        tasks.make(task, tokenizer, length, s, model=model)
+        for task in task_names
+        for s in range(seed, seed + n)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tasks", nargs="+", default=list(HELDOUT_TASKS))
+    parser.add_argument("--samples", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=5000)
+    parser.add_argument("--length", type=int, default=1024)
+    args = parser.parse_args()
+    model, tokenizer = load_model(args.model)
+    samples = heldout_samples(model, tokenizer, args.tasks, args.samples, args.seed, args.length)
+    print(exchange.export(samples, converted_folder(args.model), args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""What every peer runner shares, standard library only (it runs inside the peer's environment).
+
+    python bench/peers/NAME/run.py EXPORTED.jsonl SCORES.jsonl [--method M] [--threads N]
+
+A runner reads the samples longprobe exported (``exchange.export``), scores every source of each, and
+writes one line a sample: ``{"key", "scores": [one number a source], "seconds"}``. A sample the peer
+cannot score gets ``{"key", "error": "..."}`` instead, so the table can say why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+def arguments(methods: list[str] | None = None) -> argparse.Namespace:
+    """The runner's command line: input, output, ``--method`` (when the peer has several), ``--threads``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("exported", type=Path)
+    parser.add_argument("out", type=Path)
+    if methods:
+        parser.add_argument("--method", choices=methods, default=methods[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parsed = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(parsed.threads))
+    return parsed
+
+
+def samples(path: Path) -> Iterator[dict]:
+    """The exported samples: dicts with key, text, prompt, answer, sources ([[start, end], ...]), model."""
+    for line in path.read_text().splitlines():
+        yield json.loads(line)
+
+
+def run(path: Path, out: Path, score: Callable[[dict], list[float]]) -> None:
+    """Score every sample of ``path`` with ``score`` and write the answers to ``out`` (atomically)."""
+    lines = []
+    for sample in samples(path):
+        start = time.perf_counter()
+        try:
+            scores = [float(x) for x in score(sample)]
+            record = {"key": sample["key"], "scores": scores, "seconds": time.perf_counter() - start}
+        except Exception as error:  # a peer's failure is a result: recorded, not hidden
+            record = {"key": sample["key"], "error": f"{type(error).__name__}: {error}",
+                      "trace": traceback.format_exc(limit=4)}  # fmt: skip
+        lines.append(json.dumps(record))
+        print(sample["key"], record.get("seconds", record.get("error")), flush=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(out)
+
+
+def source_of_token(offsets: list[tuple[int, int]], text: str, sources: list[list[int]]) -> list[int | None]:
+    """longprobe's span rule for a peer's own tokenization: a token belongs to the source holding its first
+    non-whitespace character (a whitespace-only token: its first character); ``None`` outside every source.
+    ``offsets`` are the tokenizer's character offsets of each token."""
+    owner = []
+    for start, end in offsets:
+        first = next((i for i in range(start, end) if not text[i].isspace()), start)
+        owner.append(next((n for n, (a, b) in enumerate(sources) if a <= first < b), None))
+    return owner
