@@ -19,7 +19,8 @@ from analyses import stats
 from probe import answer, detectors, faithfulness, metrics, tasks
 
 # one forward+backward a sample
-ONE_PASS = (*detectors.SHARED_PASS, "key_removal_grad", "key_removal_banzhaf", "attn_lrp")
+SHARED_PASS = tuple(name for name in detectors.names() if detectors.shared_pass(name))
+ONE_PASS = (*SHARED_PASS, "key_removal_grad", "key_removal_banzhaf", "attn_lrp")
 # the main job's: CDT's baselines, the key-removal gradients and the ablation reference (leave_one_out, pruned
 # on key_removal_grad's ranking); the full 1K study in RESULTS.md judges every detector
 DEFAULT_DETECTORS = [

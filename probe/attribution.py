@@ -379,17 +379,27 @@ class AnswerAttribution:
     rows (``rows`` = target positions − 1, LongTensor[rows]) over all keys and ∂L/∂A of those rows,
     for ``layers`` in that order. ``embedding_grad``: Tensor[seq, hidden], ∂L/∂e_i, and
     ``embeddings`` Tensor[seq, hidden], the e_i. L is the mean cross-entropy of the target tokens,
-    as in :func:`information_flow` and :func:`embedding_grads`.
+    as in :func:`information_flow` and :func:`embedding_grads`. A forward-only attribution
+    (:meth:`forward_only`) holds the pattern alone, its gradients ``None``.
     """
 
     pattern: torch.Tensor
-    pattern_grad: torch.Tensor
-    embedding_grad: torch.Tensor
-    embeddings: torch.Tensor
+    pattern_grad: torch.Tensor | None
+    embedding_grad: torch.Tensor | None
+    embeddings: torch.Tensor | None
     layers: tuple[int, ...]
     rows: torch.Tensor
 
-    def select(self, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    @classmethod
+    def forward_only(
+        cls, pattern: torch.Tensor, layers: Sequence[int], target_positions: torch.Tensor
+    ) -> AnswerAttribution:
+        """The attribution of a forward pass: :func:`attention_rows` ``pattern`` of rows
+        ``target_positions − 1`` for ``layers``, no gradients."""
+        rows = torch.as_tensor(target_positions).cpu() - 1
+        return cls(pattern, None, None, None, tuple(layers), rows)
+
+    def select(self, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(pattern, pattern_grad) of ``layers`` (non-negative indices among :attr:`layers`), in that order:
         each Tensor[len(layers), heads, rows, seq]."""
         missing = sorted(set(layers) - set(self.layers))
@@ -398,7 +408,7 @@ class AnswerAttribution:
                 f"layers {missing} were not captured; this attribution holds layers {list(self.layers)}"
             )
         index = torch.tensor([self.layers.index(layer) for layer in layers], dtype=torch.long)
-        return self.pattern[index], self.pattern_grad[index]
+        return self.pattern[index], None if self.pattern_grad is None else self.pattern_grad[index]
 
     def information_flow(self, layers: Sequence[int], reduce: str = "sum_then_abs") -> torch.Tensor:
         """:func:`information_flow` of ``layers`` from the captured tensors: Tensor[len(layers), seq]."""

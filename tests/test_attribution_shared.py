@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from reference import head_weights_for
+from reference import eager_forward, head_weights_for
 from transformers import AutoTokenizer
 
 import probe
@@ -98,7 +98,7 @@ def test_detect_many_shares_one_pass_over_the_union_of_layers(story, tokenizer, 
         passes.append(args[3])
         return answer_attribution(*args, **kwargs)
 
-    for module in (detectors.run, detectors.one_pass):  # the shared pass and the detectors' own passes
+    for module in (detectors.run, detectors.registry):  # the shared pass and a reader's pass alone
         monkeypatch.setattr(module, "answer_attribution", counted)
     forwards = []
     hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
@@ -113,15 +113,43 @@ def test_detect_many_shares_one_pass_over_the_union_of_layers(story, tokenizer, 
         assert_same_detection(found[name], expected[name])
 
 
-def test_detect_many_runs_embedding_grad_alone_as_usual_and_refuses_bad_names(story, tokenizer, monkeypatch):
+def test_detect_many_reads_the_embedding_gradient_off_one_pass_and_refuses_bad_names(story, tokenizer):
     model, sample = story
-    for module in (detectors.run, detectors.one_pass):  # not called: one pass either way
-        monkeypatch.setattr(module, "answer_attribution", None)
-    found = detectors.detect_many(["embedding_grad", "recency"], model, tokenizer, sample)
+    found = detectors.detect_many(["embedding_grad", "grad_times_input", "recency"], model, tokenizer, sample)
     assert_same_detection(found["embedding_grad"], probe.detect("embedding_grad", model, tokenizer, sample))
+    grads = embedding_grads(model, sample.input_ids, sample.target_positions)
+    assert torch.allclose(found["embedding_grad"].scores, grads.norm(dim=-1), atol=1e-6)
     with pytest.raises(ValueError, match="unknown detector"):
         detectors.detect_many(["attention", "nope"], model, tokenizer, sample)
     with pytest.raises(ValueError, match="unknown detector"):
         detectors.detect_many(["attention"], model, tokenizer, sample, {"atention": {"top_k": 3}})
     with pytest.raises(TypeError):
         detectors.detect_many(["attention"], model, tokenizer, sample, {"attention": {"p": 3}})
+
+
+def test_a_new_shared_pass_detector_is_one_decorated_reader(story, tokenizer, monkeypatch):
+    """``@register(name, shared_pass=...)`` on a reader of the attribution is the whole detector: alone it
+    runs its pass (forward only when it reads no gradient), in detect_many it shares the pass, and its
+    options, the pass's ``target`` and ``checkpoint`` included, are checked like any detector's."""
+    monkeypatch.setattr(detectors.registry, "_REGISTRY", dict(detectors.registry._REGISTRY))
+    monkeypatch.setattr(detectors.registry, "_SHARED", dict(detectors.registry._SHARED))
+    model, sample = story
+
+    @detectors.register("last_layer_grad", shared_pass=detectors.SharedPass(layers="all"))
+    def last_layer_grad(model, attribution, sample, top_k: int = 3):
+        """|∂L/∂A| of the last layer's answer rows, summed over heads and rows."""
+        scores = attribution.pattern_grad[-1].abs().sum(dim=(0, 1))
+        return detectors.Detection(scores, detectors.top_k_mask(scores, top_k, sample.prompt_length), {})
+
+    assert detectors.options("last_layer_grad") == ["top_k", "checkpoint", "target"]
+    alone = probe.detect("last_layer_grad", model, tokenizer, sample)
+    attentions, loss = eager_forward(model, sample.input_ids[None], sample.target_positions)
+    loss.backward()
+    slow = attentions[-1].grad[0][:, sample.target_positions - 1].abs().sum(dim=(0, 1))
+    assert torch.allclose(alone.scores, slow, atol=1e-7, rtol=1e-4)
+    found = detectors.detect_many(["attention", "last_layer_grad"], model, tokenizer, sample)
+    assert_same_detection(found["last_layer_grad"], alone)
+    with pytest.raises(TypeError, match="takes no option"):
+        probe.detect("last_layer_grad", model, tokenizer, sample, layers=[0])
+    with pytest.raises(TypeError, match=r"\(model, attribution, sample, \*\*options\)"):
+        detectors.register("wrong", shared_pass=detectors.SharedPass())(lambda model, tokenizer, sample: None)

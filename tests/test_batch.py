@@ -116,7 +116,7 @@ def story():
     return probe.tiny_model("gemma3", vocab_size=len(tokenizer)), tokenizer, samples
 
 
-@pytest.mark.parametrize("name", [*detectors.SHARED_PASS, "recency"])
+@pytest.mark.parametrize("name", [*(n for n in detectors.names() if detectors.shared_pass(n)), "recency"])
 def test_detectors_take_several_samples(story, name):
     model, tokenizer, samples = story
     options = {"weights": head_weights_for(model)} if name == "at2" else {}
@@ -132,7 +132,7 @@ def test_detect_many_batches_the_shared_pass(story, monkeypatch):
     model, tokenizer, samples = story
     passes = []
     real = detectors.run.answer_attribution
-    for module in (detectors.run, detectors.one_pass):  # the shared pass and the detectors' own passes
+    for module in (detectors.run, detectors.registry):  # the shared pass and a reader's pass alone
         monkeypatch.setattr(module, "answer_attribution", lambda *a, **k: passes.append(1) or real(*a, **k))
     names = ["attention", "information_flow", "embedding_grad", "recency"]
     found = detectors.detect_many(names, model, tokenizer, samples)

@@ -5,7 +5,9 @@ sample (higher = more critical) and the set it would flag by its own rule, retur
 :class:`Detection` that carries its settings. The answer rows are the rows that predict the
 sample's teacher-forced gold answer (rows ``sample.target_positions − 1``); scores for tokens at
 or after the answer are not meaningful for detection and :mod:`probe.metrics` ignores them.
-A detector is named once, in ``@register(name)``; the registry stamps the name on its result.
+A detector is named once, in ``@register(name)``, which also says whether it reads the shared
+answer-attribution pass (``shared_pass=``); the registry stamps the name on its result. Adding a
+detector is one decorated function in one module.
 
     >>> detection = probe.detect("information_flow", model, tokenizer, sample)
     >>> detection.scores.shape, detection.flagged.sum()
@@ -23,12 +25,15 @@ detectors), :mod:`~probe.detectors.baselines` (``lsd``, ``random``, ``recency``,
 # The detectors register on import, in this order: the order names() gives (the CLI's choices and
 # the tests rely on it). Keep it: one_pass, then baselines, then ablation.
 from probe.detectors.registry import (
+    PASS_OPTIONS,
     Detection,
     Detector,
+    SharedPass,
     check_detection_of,
     names,
     options,
     register,
+    shared_pass,
     spread_over_tokens,
     top_k_mask,
 )
@@ -47,8 +52,6 @@ from probe.detectors.one_pass import (
 from probe.detectors.baselines import lexical_overlap, long_short_difference, random_scores, recency
 from probe.detectors.ablation import context_cite, leave_one_out
 from probe.detectors.run import (
-    PASS_OPTIONS,
-    SHARED_PASS,
     attribute,
     detect,
     detect_many,
@@ -58,9 +61,9 @@ from probe.detectors.run import (
 
 __all__ = [
     "PASS_OPTIONS",
-    "SHARED_PASS",
     "Detection",
     "Detector",
+    "SharedPass",
     "at2",
     "attention",
     "attn_lrp",
@@ -85,6 +88,7 @@ __all__ = [
     "random_scores",
     "recency",
     "register",
+    "shared_pass",
     "spread_over_tokens",
     "top_k_mask",
 ]

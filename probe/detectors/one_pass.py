@@ -1,10 +1,9 @@
 """The attention and gradient detectors: each reads one forward (and backward) pass over the sample.
 
-``attention``, ``fr``, ``embedding_grad``, ``information_flow``, ``grad_times_input`` and ``at2``
-can also be read off one shared pass (:data:`probe.detectors.run.SHARED_PASS`,
-:func:`~probe.detectors.run.detect_many`): their ``_*_from`` helpers here turn that pass into the
-detection. ``key_removal_grad``, ``key_removal_banzhaf``, ``attn_lrp`` and ``integrated_gradients``
-run passes of their own.
+``attention``, ``fr``, ``embedding_grad``, ``information_flow``, ``grad_times_input`` and ``at2`` are
+readers of the shared answer-attribution pass (``@register(name, shared_pass=...)``): alone, each runs
+that pass; in :func:`~probe.detectors.run.detect_many` they share one. ``key_removal_grad``,
+``key_removal_banzhaf``, ``attn_lrp`` and ``integrated_gradients`` run passes of their own.
 """
 
 from __future__ import annotations
@@ -14,15 +13,9 @@ from pathlib import Path
 import torch
 
 from probe.at2 import HeadWeights, token_features
-from probe.attribution import (
-    AnswerAttribution,
-    answer_attribution,
-    attention_rows,
-    embedding_grad_norms,
-)
-from probe.attribution import information_flow as information_flow_per_layer
+from probe.attribution import AnswerAttribution
 from probe.checks import check_int, check_layers, hf_model, input_device
-from probe.detectors.registry import Detection, register, top_k_mask
+from probe.detectors.registry import Detection, SharedPass, register, top_k_mask
 from probe.errors import InvalidValueError
 from probe.faithfulness import random_masks, removed_positions
 from probe.key_removal import key_removal_gradient
@@ -34,19 +27,16 @@ from probe.target import Target, target_loss_of
 from probe.tasks import Sample
 
 
-@register("attention")
-def attention(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) -> Detection:
+@register("attention", shared_pass=SharedPass(backward=False))
+def attention(
+    model, attribution: AnswerAttribution, sample: Sample, layers=None, top_k: int = 30
+) -> Detection:
     """Attention from the answer-predicting rows, summed over heads, mean over rows and ``layers``.
 
-    Flags the ``top_k`` context tokens (CDT §6.1 uses top-30).
+    Flags the ``top_k`` context tokens (CDT, Chen et al. 2025, §6.1 uses top-30).
     """
     layers = check_layers(model, layers)
-    pattern = attention_rows(model, sample.input_ids, sample.target_positions - 1, layers)
-    return _attention_from(pattern, sample, layers, top_k)
-
-
-def _attention_from(pattern: torch.Tensor, sample: Sample, layers: list[int], top_k: int) -> Detection:
-    """The ``attention`` detection from the answer rows' ``pattern`` Tensor[layers, heads, rows, seq]."""
+    pattern, _ = attribution.select(layers)
     per_layer = pattern.sum(dim=1).mean(dim=1)
     scores = per_layer.mean(dim=0)
     return Detection(
@@ -57,8 +47,10 @@ def _attention_from(pattern: torch.Tensor, sample: Sample, layers: list[int], to
     )
 
 
-@register("fr")
-def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 30) -> Detection:
+@register("fr", shared_pass=SharedPass(backward=False))
+def fact_retrieval(
+    model, attribution: AnswerAttribution, sample: Sample, layers=None, top_k: int = 30
+) -> Detection:
     """Fact-retrieval score (CDT §3.1): how often a token is among a head's top-k attended tokens.
 
     At each answer step j every head attends the ``top_k`` tokens it weights most (its set s_j).
@@ -69,12 +61,7 @@ def fact_retrieval(model, tokenizer, sample: Sample, layers=None, top_k: int = 3
     Flags the ``top_k`` tokens with the highest score.
     """
     layers = check_layers(model, layers)
-    pattern = attention_rows(model, sample.input_ids, sample.target_positions - 1, layers)
-    return _fact_retrieval_from(pattern, sample, layers, top_k)
-
-
-def _fact_retrieval_from(pattern: torch.Tensor, sample: Sample, layers: list[int], top_k: int) -> Detection:
-    """The ``fr`` detection from the answer rows' ``pattern`` Tensor[layers, heads, rows, seq]."""
+    pattern, _ = attribution.select(layers)
     context = sample.prompt_length
     chosen = pattern[..., :context].topk(min(top_k, context), dim=-1).indices
     attended = torch.zeros_like(pattern).scatter_(-1, chosen, 1.0)
@@ -88,54 +75,28 @@ def _fact_retrieval_from(pattern: torch.Tensor, sample: Sample, layers: list[int
     )
 
 
-@register("embedding_grad")
-def embedding_grad(
-    model,
-    tokenizer,
-    sample: Sample,
-    p: float = 2,
-    checkpoint: bool | str = "auto",
-    target: Target | None = None,
-) -> Detection:
-    """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean.
-    ``checkpoint``: see :mod:`probe.attribution`."""
-    ids, targets = sample.input_ids, sample.target_positions
-    scores = embedding_grad_norms(model, ids, targets, p, checkpoint, target=target)
-    return _embedding_grad_from(scores, sample, p)
-
-
-def _embedding_grad_from(scores: torch.Tensor, sample: Sample, p: float) -> Detection:
-    """The ``embedding_grad`` detection from the gradient norms ``scores`` Tensor[seq]."""
+@register("embedding_grad", shared_pass=SharedPass(layers="none"))
+def embedding_grad(model, attribution: AnswerAttribution, sample: Sample, p: float = 2) -> Detection:
+    """‖∂L/∂e_i‖_p of the answer loss (CDT §4.1); flags context tokens at or above the context mean."""
+    scores = attribution.embedding_grad_norms(p)
     return Detection(scores=scores, flagged=critical_tokens(scores, sample.prompt_length), settings={"p": p})
 
 
-@register("information_flow")
+@register("information_flow", shared_pass=SharedPass())
 def information_flow(
     model,
-    tokenizer,
+    attribution: AnswerAttribution,
     sample: Sample,
     layers=None,
     reduce: str = "sum_then_abs",
     top_k: int = 30,
-    checkpoint: bool | str = "auto",
-    target: Target | None = None,
 ) -> Detection:
     """The IG / information-flow score (CDT eq. 1) from the answer rows, summed over ``layers``.
 
     ``details["per_layer"]`` [layers, seq] keeps each layer's score. Flags the ``top_k`` tokens.
-    ``checkpoint``: see :mod:`probe.attribution`.
     """
     layers = check_layers(model, layers)
-    per_layer = information_flow_per_layer(
-        model, sample.input_ids, sample.target_positions, layers, reduce, checkpoint, target=target
-    )
-    return _information_flow_from(per_layer, sample, layers, reduce, top_k)
-
-
-def _information_flow_from(
-    per_layer: torch.Tensor, sample: Sample, layers: list[int], reduce: str, top_k: int
-) -> Detection:
-    """The ``information_flow`` detection from its ``per_layer`` scores Tensor[layers, seq]."""
+    per_layer = attribution.information_flow(layers, reduce)
     scores = per_layer.sum(dim=0)
     return Detection(
         scores=scores,
@@ -160,25 +121,14 @@ def _additive(scores: torch.Tensor, sample: Sample, top_k: int, passes: int = 1,
     )
 
 
-@register("grad_times_input")
-def grad_times_input(
-    model,
-    tokenizer,
-    sample: Sample,
-    top_k: int = 30,
-    checkpoint: bool | str = "auto",
-    target: Target | None = None,
-) -> Detection:
+@register("grad_times_input", shared_pass=SharedPass(layers="none"))
+def grad_times_input(model, attribution: AnswerAttribution, sample: Sample, top_k: int = 30) -> Detection:
     """Gradient × input on the embeddings: e_i · ∂ log P(answer)/∂e_i (Shrikumar et al. 2016), the
     first-order drop of the gold answer's log-probability when token i's embedding is zeroed.
 
     Signed (positive = the answer leans on the token); a source scores the sum over its tokens
     (``details["source_scores"]``). From the shared pass (:func:`detect_many`) at no extra cost.
-    ``checkpoint``: see :mod:`probe.attribution`.
     """
-    attribution = answer_attribution(
-        model, sample.input_ids, sample.target_positions, [0], checkpoint, target=target
-    )
     return _additive(attribution.grad_times_input(), sample, top_k)
 
 
@@ -276,15 +226,13 @@ def key_removal_banzhaf(
     )
 
 
-@register("at2")
+@register("at2", shared_pass=SharedPass(layers="all"))
 def at2(
     model,
-    tokenizer,
+    attribution: AnswerAttribution,
     sample: Sample,
     weights: HeadWeights | str | Path | None = None,
     top_k: int = 30,
-    checkpoint: bool | str = "auto",
-    target: Target | None = None,
 ) -> Detection:
     """AT2 (Cohen-Wang et al. 2025, "Learning to Attribute with Attention"): per-head weights, learned
     from this toolkit's ablations (:mod:`probe.at2`), on the answer rows' attention mass and saliency.
@@ -294,14 +242,7 @@ def at2(
     ``python -m analyses.learn_head_weights``). One forward+backward pass over every layer, shared
     with the attention family in :func:`detect_many`. A source scores the sum over its tokens.
     """
-    attribution = answer_attribution(
-        model, sample.input_ids, sample.target_positions, None, checkpoint, target=target
-    )
-    return _at2_from(attribution, sample, HeadWeights.for_model(model, weights), top_k)
-
-
-def _at2_from(attribution: AnswerAttribution, sample: Sample, weights: HeadWeights, top_k: int) -> Detection:
-    """The ``at2`` detection from a pass over every layer."""
+    weights = HeadWeights.for_model(model, weights)
     detection = _additive(weights.token_scores(token_features(attribution)), sample, top_k)
     detection.settings["weights"] = weights.settings.get("name", "custom")
     return detection

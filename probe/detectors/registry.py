@@ -1,8 +1,11 @@
 """The detector registry: :class:`Detection`, ``@register(name)``, and what every detector shares.
 
-A detector is named once, in ``@register(name)``; the registry stamps the name on its result, checks
-the sample fits the model, records a non-default target among the settings and moves the result's
-tensors to the CPU. :func:`names` lists the registered detectors in registration order.
+A detector is named once, in ``@register(name)``, which also says how it runs: on passes of its own,
+or read off the one shared answer-attribution pass (``shared_pass=``, :class:`SharedPass`). The
+registry stamps the name on its result, checks the sample fits the model, records a non-default target
+among the settings and moves the result's tensors to the CPU. :func:`names` lists the registered
+detectors in registration order: the one-pass detectors, the baselines, the ablations
+(:mod:`probe.detectors` imports their modules in that order).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import pandas as pd
 import torch
 
 from probe import views
-from probe.checks import check_option, check_sample, check_sample_fits, check_tokenizer
+from probe.attribution import AnswerAttribution, answer_attribution, attention_rows
+from probe.checks import check_layers, check_option, check_sample, check_sample_fits, check_tokenizer
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import source_scores
 from probe.results import read_json, reading, write_json
@@ -164,18 +168,57 @@ Detector = Callable[..., Detection]
 _REGISTRY: dict[str, Detector] = {}
 
 
-def register(name: str) -> Callable[[Detector], Detector]:
-    """Add a detector ``fn(model, tokenizer, sample, **options) -> Detection`` to the registry as ``name``.
+@dataclass(frozen=True)
+class SharedPass:
+    """How a detector reads the shared answer-attribution pass (:func:`probe.attribution.answer_attribution`).
 
-    Returns ``fn`` wrapped so that its :class:`Detection` carries ``name``: a detector never writes
-    its own name. Refuses a name already taken and a function with another signature.
+    ``layers``: the layers the pass must capture for it: ``"layers"`` (those its ``layers`` option names),
+    ``"all"``, or ``"none"`` (it reads the embedding gradient only). ``backward``: whether it reads
+    gradients; one that reads none runs alone as a forward pass (:func:`probe.attribution.attention_rows`).
     """
 
-    def add(fn: Detector) -> Detector:
+    layers: str = "layers"
+    backward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.layers not in ("layers", "all", "none"):
+            raise InvalidValueError(f"SharedPass.layers: 'layers', 'all' or 'none', not {self.layers!r}")
+
+    def layers_of(self, model, read: Callable[..., Detection], options: dict[str, Any]) -> list[int]:
+        """The layers the pass captures for a detector reading it with ``options``."""
+        if self.layers == "none":
+            return []
+        if self.layers == "all":
+            return check_layers(model, None)
+        default = inspect.signature(read).parameters["layers"].default
+        return check_layers(model, options.get("layers", default))
+
+
+_SHARED: dict[str, tuple[SharedPass, Callable[..., Detection]]] = {}
+PASS_OPTIONS = ("checkpoint", "target")  # how the shared pass runs and what it explains
+
+
+def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Callable], Detector]:
+    """Add a detector to the registry as ``name``.
+
+    Without ``shared_pass`` the function is the detector, ``fn(model, tokenizer, sample, **options)``.
+    With one, it is a reader of the shared pass, ``fn(model, attribution, sample, **options)`` (an
+    :class:`~probe.attribution.AnswerAttribution` over the layers ``shared_pass`` asks for), and the
+    registry makes the detector: one pass, then ``fn``; a detector that reads gradients gains the pass's
+    options ``checkpoint`` (:mod:`probe.attribution`) and ``target`` (:mod:`probe.target`).
+    :func:`~probe.detectors.detect_many` reads every such detector off one pass.
+
+    Returns the detector, its :class:`Detection` carrying ``name`` (a detector never writes its own
+    name). Refuses a name already taken and a function with another signature.
+    """
+
+    def add(fn: Callable) -> Detector:
         if name in _REGISTRY:
             raise InvalidValueError(f"a detector named {name!r} is already registered")
-        if list(inspect.signature(fn).parameters)[:3] != ["model", "tokenizer", "sample"]:
-            raise InvalidTypeError(f"detector {name!r} must take (model, tokenizer, sample, **options)")
+        first = ["model", "tokenizer" if shared_pass is None else "attribution", "sample"]
+        if list(inspect.signature(fn).parameters)[:3] != first:
+            raise InvalidTypeError(f"detector {name!r} must take ({', '.join(first)}, **options)")
+        run = fn if shared_pass is None else _alone(fn, shared_pass)
 
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
@@ -187,22 +230,57 @@ def register(name: str) -> Callable[[Detector], Detector]:
                 options["target"].check(sample.input_ids[sample.target_positions])
             check_sample_fits(model, sample, tokenizer)
             start = time.perf_counter()
-            detection = _on_cpu(_with_target(fn(model, tokenizer, sample, **options), options.get("target")))
-            seconds = time.perf_counter() - start
-            return dataclasses.replace(detection, name=name, sample=sample, seconds=seconds)
+            detection = run(model, tokenizer, sample, **options)
+            return finished(detection, name, sample, time.perf_counter() - start, options.get("target"))
 
+        named.__signature__ = inspect.signature(run)
         _REGISTRY[name] = named
+        if shared_pass is not None:
+            _SHARED[name] = (shared_pass, fn)
         return named
 
     return add
 
 
-def _with_target(detection: Detection, target) -> Detection:
-    """The detection with its target among its settings (as text: :func:`probe.target.describe`),
-    unless it is the default."""
-    if target is None:
-        return detection
-    return dataclasses.replace(detection, settings={**detection.settings, "target": describe(target)})
+def _alone(read: Callable[..., Detection], shared_pass: SharedPass) -> Detector:
+    """The detector that runs the pass ``read`` needs on one sample, then reads it."""
+    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    own = [p.replace(kind=keyword) for p in list(inspect.signature(read).parameters.values())[3:]]
+    pass_options = [
+        inspect.Parameter("checkpoint", keyword, default="auto", annotation="bool | str"),
+        inspect.Parameter("target", keyword, default=None, annotation="Target | None"),
+    ]
+
+    def alone(model, tokenizer, sample: Sample, checkpoint: bool | str = "auto", target=None, **options):
+        layers = shared_pass.layers_of(model, read, options) or [0]  # the embedding gradient: any layer
+        ids, targets = sample.input_ids, sample.target_positions
+        if shared_pass.backward:
+            attribution = answer_attribution(model, ids, targets, layers, checkpoint, target=target)
+        else:
+            pattern = attention_rows(model, ids, targets - 1, layers)
+            attribution = AnswerAttribution.forward_only(pattern, layers, targets)
+        return read(model, attribution, sample, **options)
+
+    parameters = [inspect.Parameter(p, positional) for p in ("model", "tokenizer", "sample")]
+    alone.__signature__ = inspect.Signature(parameters + own + (pass_options if shared_pass.backward else []))
+    return alone
+
+
+def shared_pass(name: str) -> tuple[SharedPass, Callable[..., Detection]] | None:
+    """How detector ``name`` reads the shared pass and its reader, or ``None`` if it runs its own."""
+    lookup(name)
+    return _SHARED.get(name)
+
+
+def finished(
+    detection: Detection, name: str, sample: Sample, seconds: float | None, target=None
+) -> Detection:
+    """A detector's result as the registry hands it out: carrying its ``name``, ``sample`` and
+    ``seconds``, its ``target`` among its settings unless the default (as text:
+    :func:`probe.target.describe`), its tensors on the CPU (:func:`_on_cpu`)."""
+    settings = detection.settings if target is None else {**detection.settings, "target": describe(target)}
+    found = dataclasses.replace(detection, name=name, sample=sample, seconds=seconds, settings=settings)
+    return _on_cpu(found)
 
 
 def _on_cpu(detection: Detection) -> Detection:

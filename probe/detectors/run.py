@@ -13,19 +13,10 @@ from typing import Any, overload
 
 import torch
 
-from probe.at2 import HeadWeights
-from probe.attribution import AnswerAttribution, answer_attribution
-from probe.checks import check_layers, check_sample, check_sample_fits, check_tokenizer
+from probe.attribution import AnswerAttribution, answer_attribution, attention_rows
+from probe.checks import check_sample, check_sample_fits, check_tokenizer
 from probe.detectors import registry
-from probe.detectors.one_pass import (
-    _additive,
-    _at2_from,
-    _attention_from,
-    _embedding_grad_from,
-    _fact_retrieval_from,
-    _information_flow_from,
-)
-from probe.detectors.registry import Detection, _on_cpu, _with_target
+from probe.detectors.registry import PASS_OPTIONS, Detection, finished
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.target import Contrast, describe
 from probe.tasks import Sample
@@ -90,9 +81,6 @@ def attribute(
     return dataclasses.replace(detect(method, model, tokenizer, sample, **options), rows="source")
 
 
-SHARED_PASS = ("attention", "fr", "embedding_grad", "information_flow", "grad_times_input", "at2")
-
-
 @overload
 def detect_many(
     names: Sequence[str],
@@ -126,12 +114,13 @@ def detect_many(
     """Run every detector in ``names`` on ``sample``, ``options[name]`` going to detector ``name``.
 
     Returns name → :class:`Detection`, in the order of ``names``: the same detections as
-    ``detect(name, model, tokenizer, sample, **options[name])`` one by one, but when ``names``
-    holds at least one of ``attention``, ``fr`` and ``information_flow``, the attention family
-    (:data:`SHARED_PASS`, ``embedding_grad`` included) is computed from one
+    ``detect(name, model, tokenizer, sample, **options[name])`` one by one, but every detector that
+    reads the shared pass (``@register(name, shared_pass=...)``: ``attention``, ``fr``,
+    ``embedding_grad``, ``information_flow``, ``grad_times_input``, ``at2``) reads one
     :func:`probe.attribution.answer_attribution` forward+backward pass over the union of their
-    layers instead of one pass each (``checkpoint``: that pass's, see
-    :func:`~probe.attribution.answer_attribution`). The other detectors run as usual.
+    layers instead of one pass each (a forward pass alone when none of them reads gradients;
+    ``checkpoint``: that pass's, see :func:`~probe.attribution.answer_attribution`). The other
+    detectors run as usual.
 
     Several samples: one such dict per sample; the shared pass then runs once for all of them
     (:mod:`probe.batch`), the other detectors sample by sample.
@@ -154,15 +143,15 @@ def detect_many(
     for one in samples:
         check_sample(one)
         registry.check_answered(one)
-    shared = {name: _settings(name, model, options.get(name, {})) for name in names if name in SHARED_PASS}
-    layers = sorted({layer for settings in shared.values() for layer in settings.get("layers", ())})
-    if "at2" in shared:  # its weights cover every head
-        layers = check_layers(model, None)
+    shared = {name: registry.shared_pass(name) for name in names if registry.shared_pass(name)}
+    read_options = {
+        name: {k: v for k, v in options.get(name, {}).items() if k not in PASS_OPTIONS} for name in shared
+    }
+    needed = [how.layers_of(model, read, read_options[name]) for name, (how, read) in shared.items()]
+    layers = sorted({layer for each in needed for layer in each})
     for one in samples:
         check_sample_fits(model, one, tokenizer)
-    explaining = [
-        name for name in shared if "target" in inspect.signature(registry.lookup(name)).parameters
-    ]
+    explaining = [name for name, (how, _) in shared.items() if how.backward]
     given = [options.get(name, {}).get("target") for name in explaining]
     chosen = {describe(t) if t is None or isinstance(t, Contrast) else id(t): t for t in given}
     if len(chosen) > 1:
@@ -173,19 +162,24 @@ def detect_many(
     for one in samples if isinstance(target, Contrast) else ():  # before any model work
         target.check(one.input_ids[one.target_positions])
     attributions, start = [None] * len(samples), time.perf_counter()
-    if layers:
+    if shared:
+        layers = layers or [0]  # the embedding gradient alone: any layer will do
         ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
-        attributions = answer_attribution(model, ids, targets, layers, checkpoint, target=target)
+        if explaining:
+            attributions = answer_attribution(model, ids, targets, layers, checkpoint, target=target)
+        else:
+            patterns = attention_rows(model, ids, [t - 1 for t in targets], layers)
+            pairs = zip(patterns, targets, strict=True)
+            attributions = [AnswerAttribution.forward_only(p, layers, t) for p, t in pairs]
     seconds = (time.perf_counter() - start) / len(samples)  # the shared pass's, a sample
     found = []
     for one, attribution in zip(samples, attributions, strict=True):
         detections = {}
         for name in names:
-            if attribution is not None and name in shared:
-                detection = _from_attribution(name, attribution, one, shared[name])
-                detection = _with_target(detection, target if name in explaining else None)
-                detection = dataclasses.replace(detection, name=name, sample=one, seconds=seconds)
-                detections[name] = _on_cpu(detection)
+            if name in shared:
+                detection = shared[name][1](model, attribution, one, **read_options[name])
+                explained = target if name in explaining else None
+                detections[name] = finished(detection, name, one, seconds, explained)
             else:
                 reused = _ranking_at_hand(name, options, detections, one)
                 detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}), **reused)
@@ -208,45 +202,15 @@ def _ranking_at_hand(
     return {"ranking": made[rank_by].source_scores(sample)}
 
 
-# how the shared pass runs and what it explains, not what a detector reads off it
-PASS_OPTIONS = ("checkpoint", "target")
-
-
-def _settings(name: str, model, options: Mapping[str, Any]) -> dict[str, Any]:
-    """Every option of detector ``name`` (``options`` over its defaults; ``layers`` checked), but
-    :data:`PASS_OPTIONS`."""
-    bound = inspect.signature(registry.lookup(name)).bind(model, None, None, **options)
-    bound.apply_defaults()
-    settings = {key: bound.arguments[key] for key in list(bound.arguments)[3:] if key not in PASS_OPTIONS}
-    if "layers" in settings:
-        settings["layers"] = check_layers(model, settings["layers"])
-    if name == "at2":
-        settings["weights"] = HeadWeights.for_model(model, settings["weights"])
-    return settings
-
-
 def from_attribution(
     name: str, model, attribution: AnswerAttribution, sample: Sample, **options
 ) -> Detection:
-    """Detection ``name`` (one of :data:`SHARED_PASS`) read off an answer attribution of ``sample``
-    (:func:`~probe.attribution.answer_attribution`, with the layers it needs), as :func:`detect_many`
-    does: no model pass."""
-    detection = _from_attribution(name, attribution, sample, _settings(name, model, options))
-    return _on_cpu(dataclasses.replace(detection, name=name, sample=sample))
-
-
-def _from_attribution(
-    name: str, attribution: AnswerAttribution, sample: Sample, settings: dict[str, Any]
-) -> Detection:
-    """Detection ``name`` (one of :data:`SHARED_PASS`) from the shared pass; settings as :func:`_settings`."""
-    if name == "embedding_grad":
-        return _embedding_grad_from(attribution.embedding_grad_norms(settings["p"]), sample, **settings)
-    if name == "grad_times_input":
-        return _additive(attribution.grad_times_input(), sample, **settings)
-    if name == "at2":
-        return _at2_from(attribution, sample, **settings)
-    if name == "information_flow":
-        per_layer = attribution.information_flow(settings["layers"], settings["reduce"])
-        return _information_flow_from(per_layer, sample, **settings)
-    pattern, _ = attribution.select(settings["layers"])
-    return {"attention": _attention_from, "fr": _fact_retrieval_from}[name](pattern, sample, **settings)
+    """Detection ``name`` (a reader of the shared pass, :func:`registry.shared_pass`) read off an answer
+    attribution of ``sample`` (:func:`~probe.attribution.answer_attribution`, with the layers it needs),
+    as :func:`detect_many` does: no model pass."""
+    found = registry.shared_pass(name)
+    if found is None:
+        raise InvalidValueError(f"detector {name!r} runs passes of its own, it reads no attribution")
+    registry.check_options(name, options)
+    detection = found[1](model, attribution, sample, **options)
+    return finished(detection, name, sample, None)
