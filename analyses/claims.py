@@ -25,8 +25,8 @@ import pandas as pd
 from scipy.stats import pearsonr
 
 from analyses import longppl
-from analyses.stats import MIN_UNITS, Estimate, bootstrap, correlation, difference
 from probe.results import atomic_write
+from probe.stats import MIN_UNITS, Estimate, bootstrap, correlation, difference
 
 START, END = "<!-- claims:start -->", "<!-- claims:end -->"
 LENGTHS = "<!-- lengths:start -->", "<!-- lengths:end -->"

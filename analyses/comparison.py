@@ -15,18 +15,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analyses import stats
-from probe import answer, detectors, faithfulness, metrics, tasks
+from probe import answer, detectors, faithfulness, metrics, stats, tasks
 
 # one forward+backward a sample
 SHARED_PASS = tuple(name for name in detectors.names() if detectors.shared_pass(name))
 ONE_PASS = (*SHARED_PASS, "key_removal_grad", "key_removal_banzhaf", "attn_lrp")
-# the main job's: CDT's baselines, the key-removal gradients and the ablation reference (leave_one_out, pruned
-# on key_removal_grad's ranking); the full 1K study in RESULTS.md judges every detector
+# the main job's: the critical-token detectors of the papers (CDT's attention, gradient and information
+# flow; LongPPL's LSD), the key-removal gradients and the ablation reference (leave_one_out, pruned on
+# key_removal_grad's ranking); the full 1K study in RESULTS.md judges every detector
 DEFAULT_DETECTORS = [
     "attention",
     "information_flow",
     "embedding_grad",
+    "lsd",
     "key_removal_grad",
     "key_removal_banzhaf",
     "leave_one_out",
@@ -65,13 +66,10 @@ def source_scorers(
 
     :meth:`probe.detectors.Detection.source_scores`: a detector's own source scores (ablation and
     additive detectors), else ``reduce`` over each source's tokens.
-    ``ground_truth`` scores the supporting facts 1; ``random_sources`` is uniform, seeded by the sample.
+    The references: :func:`probe.faithfulness.reference_scores`.
     """
     scores = {name: detection.source_scores(sample, reduce) for name, detection in found.items()}
-    scores["ground_truth"] = faithfulness.ground_truth_scores(sample)
-    random = np.random.default_rng(sample.seed).random(len(sample.sources))  # not torch's stream of the masks
-    scores["random_sources"] = torch.tensor(random, dtype=torch.float32)
-    return scores
+    return scores | faithfulness.reference_scores(sample)
 
 
 def compare_samples(

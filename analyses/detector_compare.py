@@ -199,10 +199,25 @@ def plot_intervals(intervals: pd.DataFrame) -> plt.Figure:
         y = np.arange(len(order))
         ax.errorbar(part.value, y, xerr=[part.value - part.low, part.high - part.value], fmt="o", capsize=3)
         ax.axvline(0, color="grey", linewidth=0.8, linestyle=":")
-        ax.set(xlabel=label, yticks=y, yticklabels=list(order))
+        labels = [f"{name} (ref.)" if name in REFERENCES else name for name in order]
+        ax.set(xlabel=label, yticks=y, yticklabels=labels)
     n = int(data.samples.max())
     fig.suptitle(f"Faithfulness per scorer, mean over {n} samples with 95 % bootstrap intervals", y=1.02)
     axes[0].invert_yaxis()
+    return fig
+
+
+def caption(args: argparse.Namespace, samples: int, with_loo: bool) -> str:
+    """What every figure of a run says about it: model, length, samples, tasks, which leave-one-out."""
+    pruned = f"pruned: exact on {args.loo_top_m} sources a sample"
+    loo = f"; leave_one_out {'exhaustive' if args.loo_top_m is None else pruned}" if with_loo else ""
+    about = f"{args.model}, {args.length} tokens, {samples} samples ({', '.join(args.tasks)})"
+    return f"{about}{loo}; (ref.): a reference row"
+
+
+def captioned(fig: plt.Figure, about: str) -> plt.Figure:
+    """``fig`` with ``about`` written under it."""
+    fig.text(0.01, -0.01, about, fontsize=8, color="dimgrey", ha="left", va="top")
     return fig
 
 
@@ -406,16 +421,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     faithful = found["faithfulness"].assign(**settings)
     layers = [found["layers"]] if not found["layers"].empty else []
     atomic_write(out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
+    about = caption(args, table.drop_duplicates(["task", "seed"]).shape[0], "leave_one_out" in names)
     fig, shares = plot_categories(table)
-    save_figure(fig, shares, out, f"detector_{tag}_categories")
+    save_figure(captioned(fig, about), shares, out, f"detector_{tag}_categories")
     fig, summary = plot_scores(table)
-    save_figure(fig, summary, out, f"detector_{tag}_scores")
+    save_figure(captioned(fig, about), summary, out, f"detector_{tag}_scores")
     if layers:
         layer_table = layers[0]
-        save_figure(plot_layers(layer_table), layer_table, out, f"detector_{tag}_layers")
-    save_figure(plot_deletion(faithful), faithful, out, f"detector_{tag}_faithfulness")
+        save_figure(captioned(plot_layers(layer_table), about), layer_table, out, f"detector_{tag}_layers")
+    save_figure(captioned(plot_deletion(faithful), about), faithful, out, f"detector_{tag}_faithfulness")
     intervals = faithfulness_intervals(faithful)
-    save_figure(plot_intervals(intervals), intervals, out, f"detector_{tag}_intervals")
+    save_figure(captioned(plot_intervals(intervals), about), intervals, out, f"detector_{tag}_intervals")
     ranks = rank_table(table, faithful)
     markdown = ranks_markdown(ranks, intervals)
     atomic_write(out / f"detector_{tag}_ranks.csv", lambda tmp: ranks.to_csv(tmp, index=False))

@@ -33,11 +33,10 @@ import seaborn as sns
 import torch
 
 import probe
-from analyses import stats
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
-from probe import at2, detectors, faithfulness, tasks
+from probe import at2, detectors, faithfulness, stats, tasks
 from probe.attribution import answer_attribution
 
 READ_OFF = ("information_flow", "attention", "embedding_grad", "grad_times_input")

@@ -16,7 +16,7 @@
    the documents (:func:`probe.lsd.pool_longppl`), and teacher-forced accuracy on the tasks at the
    same length. Pearson (of the log, the mean NLL) and Spearman r of each measure with the mean
    accuracy across variants, each with a 95 % bootstrap interval over variants
-   (:func:`analyses.stats.correlation`).
+   (:func:`probe.stats.correlation`).
 
 K and d: ``--K`` / ``--d`` tokens (default 128 / 128; our models are small and slow on CPU), or with
 ``--K-ratio`` the paper's proportions at every length: K = 4096 and d = 1024 on ≈ 32K-token texts
@@ -68,11 +68,10 @@ from accelerate.utils import broadcast_object_list
 from sklearn.metrics import accuracy_score, balanced_accuracy_score
 
 import probe
-from analyses import stats
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
-from probe import logprobs, lsd, tasks
+from probe import logprobs, lsd, stats, tasks
 from probe.tasks.noise import essay_documents
 
 NAME = "longppl"

@@ -77,6 +77,14 @@ FAITHFULNESS_METHODS = {
 FAITHFULNESS_METHODS["faithfulness_main_job_bfloat16"] = FAITHFULNESS_METHODS["faithfulness_main_job"]
 #: Methods whose model runs in another dtype than ``--dtype``.
 METHOD_DTYPES = {"faithfulness_main_job_bfloat16": "bfloat16"}
+# the one-pass detectors the main job judged when these timings were taken (lsd joined it later)
+MAIN_JOB_ONE_PASS = [
+    "attention",
+    "information_flow",
+    "embedding_grad",
+    "key_removal_grad",
+    "key_removal_banzhaf",
+]
 METHODS = (*MASK_METHODS, *LOO_METHODS, *FAITHFULNESS_METHODS)
 
 
@@ -100,12 +108,12 @@ def judge_sample(model, tokenizer, sample, top_m: int | None, ks, n_masks: int, 
     from unittest import mock
 
     import probe
-    from analyses.comparison import DEFAULT_DETECTORS, source_scorers
     from probe import detectors, faithfulness
 
-    one_pass = [name for name in DEFAULT_DETECTORS if name != "leave_one_out"]
-    found = detectors.detect_many(one_pass, model, tokenizer, sample, {"key_removal_banzhaf": {"seed": 1}})
-    scorers = source_scorers(found, sample)
+    options = {"key_removal_banzhaf": {"seed": 1}}
+    found = detectors.detect_many(MAIN_JOB_ONE_PASS, model, tokenizer, sample, options)
+    scorers = {name: detection.source_scores(sample) for name, detection in found.items()}
+    scorers |= faithfulness.reference_scores(sample)
     pruning = (
         {} if top_m is None else {"top_m": top_m, "ranking": found["key_removal_grad"].source_scores(sample)}
     )

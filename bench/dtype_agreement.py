@@ -22,8 +22,8 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `analyses` without an install
 
-from analyses.stats import bootstrap  # noqa: E402
 from probe.results import atomic_write  # noqa: E402
+from probe.stats import bootstrap  # noqa: E402
 
 METRICS = ("lds", "aopc_comprehensiveness", "aopc_sufficiency")
 KEY = ["model", "length", "task", "seed", "scorer"]

@@ -40,9 +40,9 @@ import pandas as pd
 import torch
 from harness import load, samples_parser
 
-from analyses.stats import bootstrap
 from probe import detectors, faithfulness, tasks
 from probe.results import atomic_write
+from probe.stats import bootstrap
 
 REFERENCE = (
     Path(__file__).resolve().parents[1]

@@ -36,12 +36,12 @@ import pandas as pd
 import torch
 from harness import load, samples_parser
 
-from analyses.stats import bootstrap
 from probe import faithfulness, tasks
 from probe.attention import OUTPUTS, LayerCall, Modifier, apply_pattern, mask_rows, modify
 from probe.key_removal import key_removal_gradient
 from probe.results import atomic_write
 from probe.shared_state import frozen_parameters
+from probe.stats import bootstrap
 from probe.target import target_of
 
 VARIANTS = {

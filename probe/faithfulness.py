@@ -304,6 +304,15 @@ def ground_truth_scores(sample: Sample) -> torch.Tensor:
     return torch.tensor([float(source.category == "supporting") for source in sample.sources])
 
 
+def reference_scores(sample: Sample) -> dict[str, torch.Tensor]:
+    """The two reference scorers every comparison carries, each Tensor[sources]: ``ground_truth``
+    (:func:`ground_truth_scores`) and ``random_sources`` (uniform, seeded by the sample's seed, on
+    numpy's stream, apart from torch's stream of the masks)."""
+    random = np.random.default_rng(sample.seed).random(len(sample.sources))
+    random_sources = torch.tensor(random, dtype=torch.float32)
+    return {"ground_truth": ground_truth_scores(sample), "random_sources": random_sources}
+
+
 def evaluate(
     model,
     sample: Sample,

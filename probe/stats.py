@@ -1,4 +1,4 @@
-"""Confidence intervals for the claims table: percentile bootstrap over samples, seeds or variants.
+"""Confidence intervals: percentile bootstrap over samples, seeds or variants (the claims table, every study).
 
 Every number RESULTS.md compares with a paper comes with a 95 % percentile interval of the
 resampled statistic drawn by :func:`scipy.stats.bootstrap` (percentiles: robust for the small,

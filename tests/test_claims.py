@@ -6,7 +6,7 @@ import pytest
 
 from analyses import claims
 from analyses.claims import Measured, verdict
-from analyses.stats import Estimate
+from probe.stats import Estimate
 
 PARTLY = "partly (smaller than the paper's)"
 

@@ -63,11 +63,12 @@ def faithful_sources(out: Path, tag: str) -> int:
     return int(pd.read_csv(out / f"detector_{tag}_faithfulness.csv").n_sources.min())
 
 
-def test_the_main_job_judges_cdts_detectors_the_key_removal_gradients_and_leave_one_out(names):
+def test_the_main_job_judges_the_papers_detectors_the_key_removal_gradients_and_leave_one_out(names):
     assert set(names) == {
         "attention",
         "information_flow",
         "embedding_grad",
+        "lsd",
         "key_removal_grad",
         "key_removal_banzhaf",
         "leave_one_out",

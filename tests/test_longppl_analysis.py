@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from scipy.stats import pearsonr
 
-import analyses.stats
+import probe.stats
 from analyses import longppl
 from analyses.sweep import part_name
 
@@ -82,8 +82,8 @@ def test_resume_reruns_only_the_missing_job_and_writes_the_same_outputs(
 
 
 def test_correlations_over_the_variants_where_a_measure_is_defined(monkeypatch):
-    fewer = functools.partial(analyses.stats.correlation, resamples=500)  # 10 000 take ~5 s each
-    monkeypatch.setattr(analyses.stats, "correlation", fewer)
+    fewer = functools.partial(probe.stats.correlation, resamples=500)  # 10 000 take ~5 s each
+    monkeypatch.setattr(probe.stats, "correlation", fewer)
     variants = pd.DataFrame(
         {
             "ppl": [10.0, 12.0, 11.0, 30.0, 25.0],

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from analyses.stats import Estimate, bootstrap, correlation, difference
+from probe.stats import Estimate, bootstrap, correlation, difference
 
 
 def test_the_mean_interval_has_the_normal_width_and_covers_95_percent():

@@ -2,8 +2,11 @@
 
 A peer never runs inside longprobe (several pin other transformers versions). longprobe writes each
 sample as one JSON line (:func:`export`): its ``key``, the ``text`` the model reads (chat template
-included), the ``prompt`` (the text before the answer), the ``answer``, the character range of every
-source in ``text`` (``sources``: ``[[start, end], ...]``, in order) and the ``model`` folder. A peer's
+included), the ``prompt`` (the text before the answer), the ``answer`` (the rest of ``text``: the
+teacher-forced continuation, its leading space included), the character range of every source in
+``text`` (``sources``: ``[[start, end], ...]``, in order), the ``model`` folder, and the token ids the
+model reads (``input_ids``, special tokens such as a BOS included; ``prompt_tokens`` of them are the
+prompt's), so a peer that takes ids needs no tokenizer guesswork. A peer's
 runner writes one JSON line per sample back: the ``key``, ``scores`` (one number per source, in
 order) and the ``seconds`` it spent, or the ``error`` that stopped it on that sample (a failure is a
 result: :func:`failures` reads them). :func:`read_scores` checks the scores; :func:`judge` judges every
@@ -40,9 +43,11 @@ def export(samples: Sequence[Sample], model_folder: str | Path, path: str | Path
                 "key": sample_key(sample),
                 "text": sample.text,
                 "prompt": sample.prompt_text,
-                "answer": sample.answer,
+                "answer": sample.text[len(sample.prompt_text) :],
                 "sources": [list(sample.char_spans[s.category][s.index]) for s in sample.sources],
                 "model": str(model_folder),
+                "input_ids": sample.input_ids.tolist(),
+                "prompt_tokens": sample.prompt_length,
             }
         )
         for sample in samples
