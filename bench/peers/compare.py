@@ -1,0 +1,218 @@
+"""Every peer and longprobe's detectors on the same samples, judged by the same exact ablation.
+
+    python bench/peers/compare.py --model smollm2-135m [--samples 6] [--peers lxt gim inseq:saliency ...]
+        [--ours key_removal_banzhaf attn_lrp ...] [--out bench/results/peers/smollm2-135m-1024]
+
+One invocation, one machine, one thread a process (``--threads``): the held-out study's samples
+(:mod:`export_samples`) are exported once; each peer's runner scores them in its own environment
+(``.venv-peers/NAME``, made by ``bench/peers/setup.sh NAME``; ``NAME:METHOD`` for a peer with several
+methods); our detectors score them here; then :func:`exchange.judge` judges every method on every
+sample (LDS on the same masks, comprehensiveness, sufficiency, the additive ceiling), and one forward
+pass of each sample is timed to turn seconds into forward-pass equivalents. Resumable: a peer's
+scores, our scores and each judged sample are files in ``--out``, kept when the run is started again
+with the same settings (``settings.json``; other settings are refused).
+
+Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
+per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
+bootstrap intervals, seconds and forward passes a sample, samples scored), ``failures.csv`` and
+``lds_vs_cost.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+import torch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import exchange  # noqa: E402
+from export_samples import HELDOUT_TASKS, heldout_samples  # noqa: E402
+
+import probe  # noqa: E402
+from probe import stats  # noqa: E402
+from probe.models import converted_folder  # noqa: E402
+from probe.results import atomic_write  # noqa: E402
+
+PEERS = ["context_cite", "at2", "lxt", "gim", "flashtrace", "inseq:attention", "inseq:saliency",
+         "inseq:input_x_gradient", "inseq:integrated_gradients"]  # fmt: skip
+OURS = ["key_removal_banzhaf", "information_flow", "grad_times_input", "embedding_grad", "attention",
+        "attn_lrp", "at2", "integrated_gradients", "context_cite"]  # fmt: skip
+KS = (1, 2, 4, 8)  # the held-out study's
+PACKAGES = {"context_cite": "context-cite", "at2": "at2", "lxt": "lxt", "gim": "gim-explain",
+            "flashtrace": "flashtrace", "inseq": "inseq"}  # fmt: skip
+
+
+def version(peer: str) -> str:
+    """The peer package's version in its environment (its ``freeze.txt``), or ``?``."""
+    freeze = ROOT / ".venv-peers" / peer / "freeze.txt"
+    lines = freeze.read_text().splitlines() if freeze.exists() else []
+    wanted = PACKAGES[peer].lower()
+    return next((line.split("==")[1] for line in lines if line.lower().startswith(wanted + "==")), "?")
+
+
+def label(spec: str) -> str:
+    """A peer's row name: package, version and method (``lxt 2.1``, ``inseq 0.7.1 saliency``)."""
+    peer, _, method = spec.partition(":")
+    return " ".join(filter(None, [PACKAGES[peer], version(peer), method]))
+
+
+def run_peer(spec: str, exported: Path, out: Path, threads: int) -> None:
+    """Run peer ``spec``'s runner in its environment, its answers to ``out`` (skipped if there)."""
+    if out.exists():
+        return
+    peer, _, method = spec.partition(":")
+    python = ROOT / ".venv-peers" / peer / "bin" / "python"
+    if not python.exists():
+        keys = [json.loads(line)["key"] for line in exported.read_text().splitlines()]
+        error = f"no environment: run bench/peers/setup.sh {peer}"
+        out.write_text("".join(json.dumps({"key": key, "error": error}) + "\n" for key in keys))
+        return
+    command = [str(python), str(HERE / peer / "run.py"), str(exported), str(out), "--threads", str(threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    subprocess.run([*command, *(["--method", method] if method else [])], check=True, env=env)
+
+
+def run_ours(model, tokenizer, samples, name: str, out: Path) -> None:
+    """Our detector ``name`` on every sample, written in a peer's answer format (skipped if there)."""
+    if out.exists():
+        return
+    lines = []
+    for sample in samples:
+        detection = probe.detect(name, model, tokenizer, sample)
+        scores = detection.source_scores(sample).tolist()
+        lines.append(json.dumps({"key": exchange.sample_key(sample), "scores": scores,
+                                 "seconds": detection.seconds}))  # fmt: skip
+    atomic_write(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+
+
+def forward_seconds(model, sample) -> float:
+    """One plain forward pass over ``sample`` (the unit of cost), best of two."""
+    times = []
+    with torch.no_grad():
+        for _ in range(2):
+            start = time.perf_counter()
+            model(input_ids=sample.input_ids[None], use_cache=False)
+            times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per method: mean LDS and AOPC of comprehensiveness with intervals over samples, its cost."""
+    rows = []
+    for (method, source), group in table.groupby(["scorer", "source"], sort=False):
+        lds = stats.bootstrap(group.lds.to_numpy())
+        comp = stats.bootstrap(group.aopc_comprehensiveness.to_numpy())
+        rows.append({"method": method, "source": source, "samples": len(group), "lds": lds.value,
+                     "lds_low": lds.low, "lds_high": lds.high, "aopc_comprehensiveness": comp.value,
+                     "aopc_low": comp.low, "aopc_high": comp.high, "seconds": group.seconds.mean(),
+                     "forwards": group.forwards.mean()})  # fmt: skip
+    return pd.DataFrame(rows).sort_values("lds", ascending=False)
+
+
+def plot(found: pd.DataFrame, title: str) -> plt.Figure:
+    """LDS against forward-pass equivalents a sample, one point per method, 95 % intervals."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    shown = found[found.forwards.notna()]
+    sns.scatterplot(data=shown, x="forwards", y="lds", hue="source", style="source", s=70, ax=ax)
+    ax.errorbar(shown.forwards, shown.lds, yerr=[shown.lds - shown.lds_low, shown.lds_high - shown.lds],
+                fmt="none", ecolor="grey", elinewidth=0.8)  # fmt: skip
+    for row in shown.itertuples():
+        ax.annotate(
+            row.method, (row.forwards, row.lds), fontsize=7, xytext=(4, 2), textcoords="offset pixels"
+        )
+    for ceiling in found[found.method == "additive_ceiling"].lds:
+        ax.axhline(ceiling, color="darkred", linestyle="--", linewidth=0.8, label="additive ceiling (ref.)")
+    ax.set(xscale="log", xlabel="cost: forward-pass equivalents a sample (log)", ylabel="LDS (mean, 95 % CI)",
+           title=title)  # fmt: skip
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tasks", nargs="+", default=list(HELDOUT_TASKS))
+    parser.add_argument("--samples", type=int, default=6, help="samples a task (the held-out study: 6)")
+    parser.add_argument("--seed", type=int, default=5000)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--peers", nargs="*", default=PEERS)
+    parser.add_argument("--ours", nargs="*", default=OURS, choices=probe.detectors.names())
+    parser.add_argument("--masks", type=int, default=32)
+    parser.add_argument("--ceiling-masks", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    unknown = [spec for spec in args.peers if spec.partition(":")[0] not in PACKAGES]
+    if unknown:
+        parser.error(f"unknown peers {unknown}; peers: {', '.join(PACKAGES)}")
+    torch.set_num_threads(args.threads)
+    out = args.out or ROOT / "bench" / "results" / "peers" / f"{args.model}-{args.length}"
+    settings = {k: v for k, v in vars(args).items() if k not in ("peers", "ours", "threads", "out")}
+    (out / "scores").mkdir(parents=True, exist_ok=True)
+    (out / "judged").mkdir(exist_ok=True)
+    recorded = out / "settings.json"
+    if recorded.exists() and json.loads(recorded.read_text()) != settings:
+        raise SystemExit(f"{out} holds a run with other settings ({recorded}): pass another --out")
+    atomic_write(recorded, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
+
+    model, tokenizer = probe.load_model(args.model)
+    samples = heldout_samples(model, tokenizer, args.tasks, args.samples, args.seed, args.length)
+    exported = out / "samples.jsonl"
+    if not exported.exists():
+        exchange.export(samples, converted_folder(args.model), exported)
+    files = {}
+    for spec in args.peers:
+        files[label(spec)] = (out / "scores" / f"{spec.replace(':', '_')}.jsonl", "peer")
+        run_peer(spec, exported, files[label(spec)][0], args.threads)
+    for name in args.ours:
+        files[name] = (out / "scores" / f"longprobe_{name}.jsonl", "longprobe")
+        run_ours(model, tokenizer, samples, name, files[name][0])
+    methods = {name: exchange.read_scores(path, samples) for name, (path, _) in files.items()}
+    failures = [
+        {"method": name, "sample": key, "error": error}
+        for name, (path, _) in files.items()
+        for key, error in exchange.failures(path).items()
+    ]
+    judged = []
+    for sample in samples:
+        part = out / "judged" / f"{exchange.sample_key(sample)}.csv"
+        if not part.exists():
+            frame = exchange.judge(
+                model, [sample], methods, args.ceiling_masks, n_masks=args.masks, seed=args.seed, ks=KS
+            )
+            frame["forwards"] = frame.seconds / forward_seconds(model, sample)
+            atomic_write(part, lambda tmp, frame=frame: frame.to_csv(tmp, index=False))
+        judged.append(pd.read_csv(part))
+    table = pd.concat(judged, ignore_index=True)
+    sources = {name: source for name, (_, source) in files.items()} | {"additive_ceiling": "reference"}
+    table["source"] = table.scorer.map(sources)
+    found = summary(table)
+    atomic_write(out / "peers.csv", lambda tmp: table.to_csv(tmp, index=False))
+    atomic_write(out / "summary.csv", lambda tmp: found.to_csv(tmp, index=False))
+    failed = pd.DataFrame(failures, columns=["method", "sample", "error"])
+    atomic_write(out / "failures.csv", lambda tmp: failed.to_csv(tmp, index=False))
+    title = f"{args.model}, {args.length} tokens, {len(samples)} samples ({', '.join(args.tasks)})"
+    fig = plot(found, title)
+    atomic_write(out / "lds_vs_cost.png", lambda tmp: fig.savefig(tmp, dpi=150, bbox_inches="tight"))
+    print(found.round(3).to_string(index=False))
+    if failures:
+        print(f"\n{len(failures)} failures: {out / 'failures.csv'}")
+
+
+if __name__ == "__main__":
+    main()
