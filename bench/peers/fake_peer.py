@@ -1,6 +1,6 @@
 """A stand-in peer for the exchange's test: scores each source by its length in characters.
 
-    python bench/peers/fake_peer.py EXPORTED.jsonl SCORES.jsonl
+python bench/peers/fake_peer.py EXPORTED.jsonl SCORES.jsonl
 """
 
 import json

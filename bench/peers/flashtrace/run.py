@@ -1,0 +1,75 @@
+"""FlashTrace 0.1.1 (Pan et al., ICML 2026) as a peer: one score per source of each exported sample.
+
+    .venv-peers/flashtrace/bin/python bench/peers/flashtrace/run.py EXPORTED.jsonl SCORES.jsonl
+
+Calls the package's public facade as its README does: ``FlashTrace(model, tokenizer)`` with its
+defaults (``chunk_tokens=128``, ``sink_chunk_tokens=32``, no chat template: the exported prompt
+already holds it) and ``trace(prompt=..., target=...)`` with its defaults (``method="flashtrace"``,
+``hops=1``, every answer token as the output span). ``trace.scores`` (one per prompt token) are
+summed over each source's tokens; FlashTrace's sentence aggregation was removed from the package
+(see NOTES.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+from flashtrace import FlashTrace, load_model_and_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import peer_io  # noqa: E402
+
+
+@cache
+def tracer(folder: str) -> FlashTrace:
+    """The tracer for one exported model folder, loaded once: float32 on CPU, eager attention
+    (FlashTrace reads the attention weights that ``output_attentions=True`` returns)."""
+    model, tokenizer = load_model_and_tokenizer(
+        folder, device_map=None, dtype="float32", attn_implementation="eager"
+    )
+    return FlashTrace(model, tokenizer)
+
+
+def score(sample: dict) -> list[float]:
+    """FlashTrace's prompt-token scores for the teacher-forced answer, summed over each source."""
+    engine = tracer(sample["model"])
+    prompt, text = sample["prompt"], sample["text"]
+    target = text[len(prompt) :]  # the answer as the model reads it (with its leading space)
+    # FlashTrace tokenizes without special tokens; longprobe reads a text without chat template with the
+    # tokenizer's BOS (Gemma 3), so it is written out in front of the prompt (not in any source)
+    bos = engine.tokenizer.bos_token or ""
+    added = (
+        engine.tokenizer(text)["input_ids"][:1]
+        != engine.tokenizer(text, add_special_tokens=False)["input_ids"][:1]
+    )
+    prefix = bos if bos and added else ""
+    trace = engine.trace(prompt=prefix + prompt, target=target)
+    encoded = engine.tokenizer(prefix + prompt, return_offsets_mapping=True, add_special_tokens=False)
+    offsets = [
+        (max(start - len(prefix), 0), max(end - len(prefix), 0)) for start, end in encoded["offset_mapping"]
+    ]
+    if len(offsets) != len(trace.scores):
+        raise ValueError(f"{len(trace.scores)} FlashTrace scores for {len(offsets)} prompt tokens")
+    totals = [0.0] * len(sample["sources"])
+    owners = peer_io.source_of_token(offsets, text, sample["sources"])
+    for owner, value in zip(owners, trace.scores, strict=True):
+        if owner is not None:
+            totals[owner] += value
+    return totals
+
+
+def main() -> None:
+    """Score every exported sample (peer_io's command line)."""
+    args = peer_io.arguments()
+    torch.set_num_threads(args.threads)
+    for folder in {sample["model"] for sample in peer_io.samples(args.exported)}:
+        tracer(folder)  # load before the clock starts: seconds are the attribution's alone
+    peer_io.run(args.exported, args.out, score)
+
+
+if __name__ == "__main__":
+    main()
