@@ -67,3 +67,24 @@ def test_a_sample_the_peer_failed_on_is_a_recorded_failure_not_a_score(samples, 
     assert exchange.failures(tmp_path / "out.jsonl") == {first: "OutOfMemoryError: at 1024 tokens"}
     scores = exchange.read_scores(tmp_path / "out.jsonl", samples)
     assert list(scores) == [second] and scores[second][1] == 2.5
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_a_runner_finds_longprobes_tokens_answer_and_sources_with_its_own_tokenizer(name, tmp_path):
+    """peer_io (what every runner shares) recovers the exported ids with the peer's tokenizer (Gemma 3's
+    added <bos> included), the answer's positions and each token's source, checked token by token."""
+    import json
+
+    import peer_io
+
+    tokenizer = AutoTokenizer.from_pretrained(converted_folder(name))
+    sample = tasks.make("document-2", tokenizer, 300, seed=1)
+    exported = json.loads(exchange.export([sample], "m", tmp_path / "s.jsonl").read_text())
+    ids, offsets, answer = peer_io.tokens(tokenizer, exported)
+    assert ids == sample.input_ids.tolist() and answer == sample.target_positions.tolist()
+    owners = [None] * len(ids)
+    for number, source in enumerate(sample.sources):
+        owners[source.start : source.end] = [number] * (source.end - source.start)
+    assert peer_io.source_of_token(offsets, exported["text"], exported["sources"]) == owners
+    lengths = [source.end - source.start for source in sample.sources]
+    assert peer_io.sum_by_source([1.0] * len(ids), offsets, exported) == lengths

@@ -57,10 +57,34 @@ def run(path: Path, out: Path, score: Callable[[dict], list[float]]) -> None:
 
 def source_of_token(offsets: list[tuple[int, int]], text: str, sources: list[list[int]]) -> list[int | None]:
     """longprobe's span rule for a peer's own tokenization: a token belongs to the source holding its first
-    non-whitespace character (a whitespace-only token: its first character); ``None`` outside every source.
-    ``offsets`` are the tokenizer's character offsets of each token."""
+    non-whitespace character (a whitespace-only token: its first character); ``None`` outside every source
+    and for a token with no characters (an added ``<bos>`` at (0, 0)). ``offsets`` are the tokenizer's
+    character offsets of each token."""
     owner = []
     for start, end in offsets:
         first = next((i for i in range(start, end) if not text[i].isspace()), start)
-        owner.append(next((n for n, (a, b) in enumerate(sources) if a <= first < b), None))
+        inside = (n for n, (a, b) in enumerate(sources) if a <= first < b)
+        owner.append(next(inside, None) if end > start else None)
     return owner
+
+
+def tokens(tokenizer, sample: dict) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+    """The exported ids (what longprobe's model reads), their character offsets in ``text`` from the
+    peer's ``tokenizer`` (a Hugging Face fast tokenizer; with or without its special tokens, whichever
+    gives the exported ids) and the answer's positions. Refuses a tokenizer that gives other ids."""
+    ids = sample["input_ids"]
+    for special in (False, True):
+        encoded = tokenizer(sample["text"], add_special_tokens=special, return_offsets_mapping=True)
+        if list(encoded["input_ids"]) == ids:
+            offsets = [tuple(pair) for pair in encoded["offset_mapping"]]
+            return ids, offsets, list(range(sample["prompt_tokens"], len(ids)))
+    raise ValueError("the peer's tokenizer does not give the exported input_ids for this text")
+
+
+def sum_by_source(values: list[float], offsets: list[tuple[int, int]], sample: dict) -> list[float]:
+    """Each source's score: the sum of its tokens' ``values`` (:func:`source_of_token`)."""
+    scores = [0.0] * len(sample["sources"])
+    for value, owner in zip(values, source_of_token(offsets, sample["text"], sample["sources"]), strict=True):
+        if owner is not None:
+            scores[owner] += value
+    return scores
