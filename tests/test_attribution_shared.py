@@ -98,7 +98,7 @@ def test_detect_many_shares_one_pass_over_the_union_of_layers(story, tokenizer, 
         passes.append(args[3])
         return answer_attribution(*args, **kwargs)
 
-    for module in (detectors.run, detectors.registry):  # the shared pass and a reader's pass alone
+    for module in (detectors.registry,):  # the one shared pass, alone or in detect_many
         monkeypatch.setattr(module, "answer_attribution", counted)
     forwards = []
     hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))

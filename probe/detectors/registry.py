@@ -252,18 +252,32 @@ def _alone(read: Callable[..., Detection], shared_pass: SharedPass) -> Detector:
     ]
 
     def alone(model, tokenizer, sample: Sample, checkpoint: bool | str = "auto", target=None, **options):
-        layers = shared_pass.layers_of(model, read, options) or [0]  # the embedding gradient: any layer
-        ids, targets = sample.input_ids, sample.target_positions
-        if shared_pass.backward:
-            attribution = answer_attribution(model, ids, targets, layers, checkpoint, target=target)
-        else:
-            pattern = attention_rows(model, ids, targets - 1, layers)
-            attribution = AnswerAttribution.forward_only(pattern, layers, targets)
+        layers = shared_pass.layers_of(model, read, options)
+        (attribution,) = run_pass(model, [sample], layers, shared_pass.backward, checkpoint, target)
         return read(model, attribution, sample, **options)
 
     parameters = [inspect.Parameter(p, positional) for p in ("model", "tokenizer", "sample")]
     alone.__signature__ = inspect.Signature(parameters + own + (pass_options if shared_pass.backward else []))
     return alone
+
+
+def run_pass(
+    model,
+    samples: list[Sample],
+    layers: list[int],
+    backward: bool,
+    checkpoint: bool | str = "auto",
+    target=None,
+) -> list[AnswerAttribution]:
+    """The shared pass over ``samples`` (one pass for all): an answer attribution of ``layers`` each, from a
+    forward and backward pass, or from a forward pass alone (:meth:`AnswerAttribution.forward_only`)
+    when no reader needs gradients. No ``layers``: the embedding gradient alone, any layer will do."""
+    layers = layers or [0]
+    ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
+    if backward:
+        return answer_attribution(model, ids, targets, layers, checkpoint, target=target)
+    patterns = attention_rows(model, ids, [t - 1 for t in targets], layers)
+    return [AnswerAttribution.forward_only(p, layers, t) for p, t in zip(patterns, targets, strict=True)]
 
 
 def shared_pass(name: str) -> tuple[SharedPass, Callable[..., Detection]] | None:

@@ -13,7 +13,7 @@ from typing import Any, overload
 
 import torch
 
-from probe.attribution import AnswerAttribution, answer_attribution, attention_rows
+from probe.attribution import AnswerAttribution
 from probe.checks import check_sample, check_sample_fits, check_tokenizer
 from probe.detectors import registry
 from probe.detectors.registry import PASS_OPTIONS, Detection, finished
@@ -163,14 +163,7 @@ def detect_many(
         target.check(one.input_ids[one.target_positions])
     attributions, start = [None] * len(samples), time.perf_counter()
     if shared:
-        layers = layers or [0]  # the embedding gradient alone: any layer will do
-        ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
-        if explaining:
-            attributions = answer_attribution(model, ids, targets, layers, checkpoint, target=target)
-        else:
-            patterns = attention_rows(model, ids, [t - 1 for t in targets], layers)
-            pairs = zip(patterns, targets, strict=True)
-            attributions = [AnswerAttribution.forward_only(p, layers, t) for p, t in pairs]
+        attributions = registry.run_pass(model, samples, layers, bool(explaining), checkpoint, target)
     seconds = (time.perf_counter() - start) / len(samples)  # the shared pass's, a sample
     found = []
     for one, attribution in zip(samples, attributions, strict=True):
