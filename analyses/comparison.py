@@ -19,7 +19,7 @@ from probe import answer, detectors, faithfulness, metrics, stats, tasks
 
 # one forward+backward a sample
 SHARED_PASS = tuple(name for name in detectors.names() if detectors.shared_pass(name))
-ONE_PASS = (*SHARED_PASS, "key_removal_grad", "key_removal_banzhaf", "attn_lrp")
+ONE_PASS = (*SHARED_PASS, "key_removal_banzhaf", "attn_lrp")
 # the main job's: the critical-token detectors of the papers (CDT's attention, gradient and information
 # flow; LongPPL's LSD), the key-removal gradients and the ablation reference (leave_one_out, pruned on
 # key_removal_grad's ranking); the full 1K study in RESULTS.md judges every detector

@@ -11,7 +11,8 @@ each scorer's seconds (its own passes, one thread) and its LDS over the same see
 main job (32; ``--masks``: as many as the ``--reference`` study used):
 
 - ``information_flow``: the cost yardstick of the goal (≤ 1.5× its seconds);
-- ``key_removal_grad``: the default (token units), and ``key_removal_grad_by_source``;
+- ``key_removal_grad``: the default (token units), and ``key_removal_grad_by_source`` (sources as
+  units: ``key_removal_banzhaf`` at ``presence`` 1);
 - ``key_removal_banzhaf_q{Q}_p{P}``: for each ``--presences`` Q and ``--pairs`` P;
 - ``leave_one_out``: exhaustive, with ``--loo`` (one pass per source), else read from the
   ``--reference`` CSV (a ``detector_compare`` faithfulness CSV of the same samples and masks).
@@ -55,7 +56,7 @@ def scorers(presences: list[float], pairs: list[int], loo: bool) -> dict[str, tu
     chosen = {
         "information_flow": ("information_flow", {}),
         "key_removal_grad": ("key_removal_grad", {}),
-        "key_removal_grad_by_source": ("key_removal_grad", {"by_source": True}),
+        "key_removal_grad_by_source": ("key_removal_banzhaf", {"presence": 1.0}),
     }
     chosen |= {
         f"key_removal_banzhaf_q{q:g}_p{p}": ("key_removal_banzhaf", {"presence": q, "pairs": p})

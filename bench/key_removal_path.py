@@ -1,5 +1,5 @@
 """Does integrating the key-removal gradient along the path of every key bias from 0 to −depth track
-exact leave-one-out better than the gradient at 0? (``key_removal_grad(depth=, steps=)``)
+exact leave-one-out better than the gradient at 0? (``key_removal_gradient(depth=, steps=)``)
 
 SmolLM2-135M, multihop-1 and multihop-2 at 1K tokens, seeds 100 + ``--seeds``; per sample the LDS
 (16 random half masks) and AOPC of comprehensiveness (k = 1, 4) of: the gradient at 0 (``krg``), the

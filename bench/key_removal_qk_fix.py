@@ -11,7 +11,7 @@ exactly and linearizes only the rest of the network. This benchmark weights each
 - ``qk_fix_token``: weight 1/(1 − a_ij), each token removed alone;
 - ``qk_fix_source``: weight 1/(1 − a_iS), the source removed as one;
 - ``no_intra_source``: weight 1, without the pairs inside one source (rows a removal deletes); the
-  library has it as ``key_removal_grad(by_source=True)``, which the script checks it equals.
+  library has it as ``key_removal_banzhaf(presence=1)``, which the script checks it equals.
 
 The weighted gradient is taken through an output modifier that adds Σ_j b_j·w_ij·a_ij·(v_j − o_i) to
 each attention output at b = 0 (its gradient in b_j is Σ_i w_ij·∂L/∂s_ij); with w = 1 it must equal
@@ -37,8 +37,9 @@ import torch
 from harness import load, samples_parser
 
 from probe import faithfulness, tasks
-from probe.attention import OUTPUTS, LayerCall, Modifier, apply_pattern, mask_rows, modify
+from probe.attention import OUTPUTS, LayerCall, Modifier, modify
 from probe.key_removal import key_removal_gradient
+from probe.patterns import apply_pattern, mask_rows
 from probe.results import atomic_write
 from probe.shared_state import frozen_parameters
 from probe.stats import bootstrap

@@ -32,7 +32,8 @@ model's attention is not plain softmax attention: logit soft-capping (Gemma 2: `
 softcap)`` before the mask) and sink logits (gpt-oss: one learned logit per head as an extra column of
 the softmax denominator) are computed exactly, in row blocks. A key bias runs on the CPU flash
 kernel, its gradient read from one extra head dimension (:mod:`probe.flash_key_bias`); elsewhere
-(CUDA, soft-capping, a trace beside it) it is added to the mask, on sdpa's math kernel. On exit —
+(CUDA, soft-capping) it is added to the mask, on sdpa's math kernel. The exact patterns of chosen
+rows (what a trace captures) are computed in :mod:`probe.patterns`. On exit —
 also after an exception — the model's attention implementation is restored.
 """
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
@@ -54,6 +55,7 @@ from transformers.masking_utils import AttentionMaskInterface, and_masks, causal
 from probe.checks import UnsupportedModelError, _bidirectional, hf_model
 from probe.errors import InvalidValueError
 from probe.flash_key_bias import Excluded, key_biased_attention, unit_runs
+from probe.patterns import Logits, apply_pattern, bias_rows, mask_rows, row_blocks
 from probe.shared_state import shared_change
 
 if TYPE_CHECKING:
@@ -63,30 +65,6 @@ IMPLEMENTATION = "longprobe"
 INPUTS, SCORES, MASK, POSITIONS, OUTPUTS = "inputs", "scores", "mask", "positions", "outputs"
 EXACT_BLOCK = 256  # query rows per block of exact softmax attention (soft-capping, sinks)
 KEY_BIAS_BLOCK = 512  # query rows per flash call of a key bias under a mask
-
-
-@dataclass(frozen=True)
-class Logits:
-    """How one layer turns ``q·kᵀ`` into attention: scale, optional soft-cap and sink logits.
-
-    ``sinks``: Tensor[heads] (gpt-oss ``s_aux``), one extra logit per query head in the softmax
-    denominator, so a row sums to less than 1. ``sliding_window``: the layer's own window, used
-    only when transformers passes no mask.
-    """
-
-    scaling: float
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None
-    sliding_window: int | None = None
-
-    @property
-    def plain(self) -> bool:
-        """Plain softmax attention: no soft-capping, no sink logits (what sdpa computes)."""
-        return self.softcap is None and self.sinks is None
-
-    def pattern(self, query: torch.Tensor, key: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor):
-        """A[rows]: Tensor[batch, heads, rows, kv] (see :func:`pattern_rows`)."""
-        return pattern_rows(query, key, rows, mask, self.scaling, self.softcap, self.sinks)
 
 
 @dataclass(frozen=True)
@@ -230,115 +208,6 @@ def not_reached(inner: PreTrainedModel) -> UnsupportedModelError:
     )
 
 
-def mask_rows(
-    attention_mask: torch.Tensor | None,
-    rows: torch.Tensor | slice,
-    q_len: int,
-    kv_len: int,
-    sliding_window: int | None,
-    dtype: torch.dtype,
-    keys: tuple[int, int] | None = None,
-    device: torch.device | None = None,
-) -> torch.Tensor:
-    """Additive mask [batch or 1, 1, rows, keys] for the given query rows (``rows``: a LongTensor or a
-    slice) and keys ``keys = (first, end)`` (default: all ``kv_len``).
-
-    transformers passes a boolean (True = attend) or additive mask, or ``None`` when sdpa's
-    own causal flag suffices; then queries are aligned to the end of the keys (as under a
-    KV cache) and a sliding window, if any, keeps the last ``sliding_window`` keys.
-    """
-    first, end = keys or (0, kv_len)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, rows, first:end]
-        if mask.dtype == torch.bool:
-            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-        return mask.to(dtype)
-    if isinstance(rows, slice):
-        rows = torch.arange(q_len, device=device)[rows]
-    query_pos = (kv_len - q_len + rows)[:, None]
-    key_pos = torch.arange(first, end, device=rows.device)[None]
-    allowed = key_pos <= query_pos
-    if sliding_window is not None:
-        allowed &= key_pos > query_pos - sliding_window
-    return torch.zeros(allowed.shape, dtype=dtype, device=rows.device).masked_fill(~allowed, float("-inf"))[
-        None, None
-    ]
-
-
-def pattern_rows(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    rows: torch.Tensor,
-    mask: torch.Tensor,
-    scaling: float,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A[rows] = softmax(cap(q_rows·Kᵀ·scale) + mask [, sink]): Tensor[batch, heads, rows, kv].
-
-    Computed in at least fp32: for a bf16 / fp16 model the pattern is recomputed from the half
-    precision q and k in fp32 and returned in fp32.
-
-    ``query`` is [batch, heads, q, dim], ``key`` [batch, kv_heads, kv, dim]; query head h reads
-    KV head h // (heads / kv_heads), as transformers' ``repeat_kv`` does, without copying K.
-    ``cap(s) = softcap·tanh(s / softcap)`` when ``softcap`` is set (Gemma 2); ``sinks`` Tensor[heads]
-    adds one logit per head to the softmax denominator, dropped from the result (gpt-oss).
-    """
-    batch, heads, _, dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
-    dtype = torch.promote_types(query.dtype, torch.float32)  # bf16 / fp16 q and k are upcast first
-    grouped = query[:, :, rows].to(dtype).reshape(batch, kv_heads, heads // kv_heads * len(rows), dim)
-    scores = (grouped @ key.to(dtype).transpose(-1, -2)).view(batch, heads, len(rows), kv_len) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores + mask.to(dtype)
-    if sinks is None:
-        return torch.softmax(scores, dim=-1)
-    sink = sinks.to(dtype).reshape(1, heads, 1, 1).expand(batch, heads, len(rows), 1)
-    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-
-
-def apply_pattern(pattern: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """A[rows]·V: Tensor[batch, rows, heads, dim].
-
-    ``pattern`` is [batch, heads, rows, kv], ``value`` [batch, kv_heads, kv, dim] (GQA: as
-    :func:`pattern_rows`).
-    """
-    batch, heads, n_rows, kv_len = pattern.shape
-    kv_heads = value.shape[1]
-    grouped = pattern.reshape(batch, kv_heads, heads // kv_heads * n_rows, kv_len)
-    return (grouped @ value.to(pattern.dtype)).view(batch, heads, n_rows, -1).transpose(1, 2)
-
-
-def row_blocks(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    rows: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    logits: Logits,
-    block_size: int,
-) -> Iterator[torch.Tensor]:
-    """A[rows] ``block_size`` rows at a time, [batch, heads, block, kv] each: the transient score
-    tensor stays one block's."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    for block in rows.split(block_size):
-        mask = mask_rows(attention_mask, block, q_len, kv_len, logits.sliding_window, query.dtype)
-        yield logits.pattern(query, key, block, mask)
-
-
-def pattern_blocks(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    rows: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    logits: Logits,
-    block_size: int,
-) -> torch.Tensor:
-    """A[rows] [batch, heads, rows, kv], computed by :func:`row_blocks`."""
-    blocks = list(row_blocks(query, key, rows, attention_mask, logits, block_size))
-    return torch.cat(blocks, dim=2) if len(blocks) > 1 else blocks[0]
-
-
 def runs_in_bands(window: int | None, q_len: int, kv_len: int) -> bool:
     """Whether a sliding layer runs in bands of one window of queries (:func:`_windowed_sdpa`)."""
     return window is not None and q_len > window and kv_len > 2 * window
@@ -408,6 +277,7 @@ def _attention(
         query, key, value = modifier.inputs(query, key, value)
     if dropout == 0 and flash_key_bias(active, query.device, logits.plain):
         output = _key_biased_output(query, key, value, attention_mask, logits, biases[0])
+        logits = replace(logits, key_bias=biases[0].key_bias())  # the rows a trace rebuilds hold it too
     else:
         for modifier in biases:
             attention_mask = key_biased_mask(attention_mask, query, key, window, *modifier.key_bias())
@@ -435,12 +305,9 @@ def key_biased_mask(
     """The layer's additive mask [batch or 1, 1, q, kv] with ``bias[b, j]`` on every key j from each
     later query i > j (of another unit, with ``units``): the reference of the flash kernel path."""
     q_len, kv_len = _one_pass(bias, query, key)
-    mask = mask_rows(attention_mask, slice(None), q_len, kv_len, window, query.dtype, device=query.device)
-    later = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(-1)
-    if units is not None:
-        units = units.to(query.device)
-        later &= units[:, None] != units[None, :]
-    return mask + bias.to(device=query.device, dtype=query.dtype)[:, None, None, :] * later
+    rows = torch.arange(q_len, device=query.device)
+    mask = mask_rows(attention_mask, rows, q_len, kv_len, window, query.dtype)
+    return mask + bias_rows(bias, units, rows, q_len, kv_len, query.dtype)
 
 
 def _one_pass(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[int, int]:
@@ -455,10 +322,10 @@ def _one_pass(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tup
 
 def flash_key_bias(modifiers: Sequence[Modifier], device: torch.device | str, plain: bool) -> bool:
     """Whether a key bias among ``modifiers`` runs on the CPU flash kernel (:mod:`probe.flash_key_bias`):
-    one bias, on CPU, plain softmax logits (no soft-cap, no sinks) and no output modifier (a trace
-    rebuilds its rows from the biased mask). Otherwise the biased mask goes to sdpa's math kernel."""
-    alone = len(_changing(modifiers, SCORES)) == 1 and not _changing(modifiers, OUTPUTS)
-    return alone and plain and torch.device(device).type == "cpu"
+    one bias, on CPU, plain softmax logits (no soft-cap, no sinks); a trace beside it rebuilds its rows
+    with the bias (:attr:`Logits.key_bias`). Otherwise the biased mask goes to sdpa's math kernel."""
+    one = len(_changing(modifiers, SCORES)) == 1
+    return one and plain and torch.device(device).type == "cpu"
 
 
 def _key_biased_output(query, key, value, attention_mask, logits: Logits, modifier: Modifier) -> torch.Tensor:

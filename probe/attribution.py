@@ -8,13 +8,17 @@ recomputed in the backward pass (:func:`probe.checkpointing.checkpointed`), same
 O(seq·hidden·layers); ``"auto"`` (the default) turns it on when the plain pass would not fit.
 :func:`answer_attribution` gets the answer rows' attention, its gradient and the input-embedding
 gradient from one forward+backward pass, for every detector that needs any of them.
+
+Every function takes one sequence or several (:mod:`probe.batch`, one pass for all): one sequence
+(LongTensor[seq] or [1, seq], a list of ids; its positions a list) gives one result, several (a list
+of sequences or a padded batch with ``attention_mask``; a list of positions each) a list, one a sequence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import overload
 
 import torch
 
@@ -22,6 +26,7 @@ from probe.batch import Batch, batch_loss, batch_of, is_batch
 from probe.capture import trace
 from probe.checks import check_input_ids, check_integers, check_layers, hf_model, input_device
 from probe.errors import InvalidValueError
+from probe.modifiers import bias_keys
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters
 from probe.target import Target
@@ -48,28 +53,6 @@ def _per_sequence(cache, kind: str, layers: list[int], batch: Batch, b: int) -> 
 
 def _one_or_all(results: list, single: bool):
     return results[0] if single else results
-
-
-@overload
-def attention_rows(
-    model,
-    input_ids: OneIds,
-    rows: Positions,
-    layers: Sequence[int] | None = ...,
-    inputs_embeds: torch.Tensor | None = ...,
-    attention_mask: None = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def attention_rows(
-    model,
-    input_ids: Ids,
-    rows: EachPositions,
-    layers: Sequence[int] | None = ...,
-    inputs_embeds: torch.Tensor | None = ...,
-    attention_mask: torch.Tensor | None = ...,
-) -> list[torch.Tensor]: ...
 
 
 @torch.no_grad()
@@ -120,27 +103,6 @@ def _model_inputs(model, ids: torch.Tensor, inputs_embeds: torch.Tensor | None) 
     return {"inputs_embeds": inputs_embeds[None].to(input_device(model))}
 
 
-@overload
-def attention_matrices(
-    model,
-    input_ids: OneIds,
-    layers: Sequence[int] | None = ...,
-    block_size: int = ...,
-    on_layer: None = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def attention_matrices(
-    model,
-    input_ids: OneIds,
-    layers: Sequence[int] | None = ...,
-    block_size: int = ...,
-    *,
-    on_layer: Callable[[int, torch.Tensor], None],
-) -> None: ...
-
-
 @torch.no_grad()
 def attention_matrices(
     model,
@@ -184,32 +146,6 @@ def flow_from_pattern(
     if reduce == "sum_then_abs":
         return saliency.sum(dim=1).abs().sum(dim=1)
     return saliency.abs().sum(dim=(1, 2))
-
-
-@overload
-def information_flow(
-    model,
-    input_ids: OneIds,
-    target_positions: Positions,
-    layers: Sequence[int] | None = ...,
-    reduce: str = ...,
-    checkpoint: bool | str = ...,
-    attention_mask: None = ...,
-    target: Target | None = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def information_flow(
-    model,
-    input_ids: Ids,
-    target_positions: EachPositions,
-    layers: Sequence[int] | None = ...,
-    reduce: str = ...,
-    checkpoint: bool | str = ...,
-    attention_mask: torch.Tensor | None = ...,
-    target: Target | None = ...,
-) -> list[torch.Tensor]: ...
 
 
 def information_flow(
@@ -265,30 +201,6 @@ def information_flow(
     return _one_or_all(flows, single)
 
 
-@overload
-def embedding_grads(
-    model,
-    input_ids: OneIds,
-    target_positions: Positions,
-    inputs_embeds: torch.Tensor | None = ...,
-    checkpoint: bool | str = ...,
-    attention_mask: None = ...,
-    target: Target | None = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def embedding_grads(
-    model,
-    input_ids: Ids,
-    target_positions: EachPositions,
-    inputs_embeds: torch.Tensor | None = ...,
-    checkpoint: bool | str = ...,
-    attention_mask: torch.Tensor | None = ...,
-    target: Target | None = ...,
-) -> list[torch.Tensor]: ...
-
-
 def embedding_grads(
     model,
     input_ids: Ids,
@@ -325,30 +237,6 @@ def embedding_grads(
     return _one_or_all([grad[b, : batch.lengths[b]] for b in range(len(batch))], single)
 
 
-@overload
-def embedding_grad_norms(
-    model,
-    input_ids: OneIds,
-    target_positions: Positions,
-    p: float = ...,
-    checkpoint: bool | str = ...,
-    attention_mask: None = ...,
-    target: Target | None = ...,
-) -> torch.Tensor: ...
-
-
-@overload
-def embedding_grad_norms(
-    model,
-    input_ids: Ids,
-    target_positions: EachPositions,
-    p: float = ...,
-    checkpoint: bool | str = ...,
-    attention_mask: torch.Tensor | None = ...,
-    target: Target | None = ...,
-) -> list[torch.Tensor]: ...
-
-
 def embedding_grad_norms(
     model,
     input_ids: Ids,
@@ -380,7 +268,8 @@ class AnswerAttribution:
     for ``layers`` in that order. ``embedding_grad``: Tensor[seq, hidden], ∂L/∂e_i, and
     ``embeddings`` Tensor[seq, hidden], the e_i. L is the mean cross-entropy of the target tokens,
     as in :func:`information_flow` and :func:`embedding_grads`. A forward-only attribution
-    (:meth:`forward_only`) holds the pattern alone, its gradients ``None``.
+    (:meth:`forward_only`) holds the pattern alone, its gradients ``None``. ``key_bias_grad``:
+    Tensor[seq], ∂L/∂b_j of a key bias at 0 (:func:`probe.modifiers.bias_keys`), when the pass had one.
     """
 
     pattern: torch.Tensor
@@ -389,6 +278,7 @@ class AnswerAttribution:
     embeddings: torch.Tensor | None
     layers: tuple[int, ...]
     rows: torch.Tensor
+    key_bias_grad: torch.Tensor | None = None
 
     @classmethod
     def forward_only(
@@ -424,29 +314,14 @@ class AnswerAttribution:
         e_i is set to zero. L is a mean over the answer's tokens, so ∂ log P/∂e = −len(rows)·∂L/∂e."""
         return -len(self.rows) * (self.embeddings.float() * self.embedding_grad.float()).sum(-1)
 
-
-@overload
-def answer_attribution(
-    model,
-    input_ids: OneIds,
-    target_positions: Positions,
-    layers: Sequence[int] | None = ...,
-    checkpoint: bool | str = ...,
-    attention_mask: None = ...,
-    target: Target | None = ...,
-) -> AnswerAttribution: ...
-
-
-@overload
-def answer_attribution(
-    model,
-    input_ids: Ids,
-    target_positions: EachPositions,
-    layers: Sequence[int] | None = ...,
-    checkpoint: bool | str = ...,
-    attention_mask: torch.Tensor | None = ...,
-    target: Target | None = ...,
-) -> list[AnswerAttribution]: ...
+    def key_removal_gradient(self) -> torch.Tensor:
+        """:func:`probe.key_removal.key_removal_gradient` from the captured key-bias gradient: Tensor[seq],
+        ∂ log P(answer)/∂b_j = −len(rows)·∂L/∂b_j (needs a pass with ``key_bias=True``)."""
+        if self.key_bias_grad is None:
+            raise InvalidValueError(
+                "this attribution's pass had no key bias: run answer_attribution(key_bias=True)"
+            )
+        return -len(self.rows) * self.key_bias_grad.float()
 
 
 def answer_attribution(
@@ -457,6 +332,7 @@ def answer_attribution(
     checkpoint: bool | str = "auto",
     attention_mask: torch.Tensor | None = None,
     target: Target | None = None,
+    key_bias: bool = False,
 ) -> AnswerAttribution | list[AnswerAttribution]:
     """Attention rows, their gradients and the input-embedding gradients from one pass.
 
@@ -466,12 +342,19 @@ def answer_attribution(
     ``target_positions − 1``, :func:`information_flow` and :func:`embedding_grads` computed
     separately (three passes, two of them with a backward), for ``layers`` (``None`` = all).
     Several sequences (:mod:`probe.batch`): one pass for all, one attribution per sequence.
+
+    ``key_bias``: the same pass also holds a key bias at 0 on every token
+    (:func:`probe.modifiers.bias_keys`, the model unchanged) and keeps its gradient, so
+    :meth:`AnswerAttribution.key_removal_gradient` equals :func:`probe.key_removal.key_removal_gradient`
+    without a pass of its own (a trace and a key bias compose: :attr:`probe.patterns.Logits.key_bias`).
     """
     batch, single = _batch(model, input_ids, target_positions, attention_mask, "target_positions", 1)
     layers = check_layers(model, layers)
     inner = hf_model(model)
     seq = batch.input_ids.shape[1]
+    bias = torch.zeros(len(batch), seq, device=batch.input_ids.device, requires_grad=key_bias)
     with (
+        bias_keys(inner, bias) if key_bias else nullcontext(),
         guarded(model, seq, "answer_attribution", checkpoint, len(batch.union), len(batch), layers),
         frozen_parameters(inner),
         torch.enable_grad(),
@@ -487,6 +370,7 @@ def answer_attribution(
             embeddings=embeds.detach()[b, : batch.lengths[b]],
             layers=tuple(layers),
             rows=(batch.positions[b] - 1).cpu(),
+            key_bias_grad=bias.grad[b, : batch.lengths[b]] if key_bias else None,
         )
         for b in range(len(batch))
     ]

@@ -17,19 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.attention import (
-    OUTPUTS,
-    LayerCall,
-    Modifier,
-    active_modifiers,
-    apply_pattern,
-    modify,
-    not_reached,
-    pattern_blocks,
-)
+from probe.attention import OUTPUTS, LayerCall, Modifier, active_modifiers, modify, not_reached
 from probe.checkpointing import recomputing
 from probe.checks import check_int, check_integers, check_layers, hf_model, n_layers
 from probe.errors import InvalidValueError, MissingKeyError, OutOfRangeError
+from probe.patterns import apply_pattern, pattern_blocks
 
 HOOK_NAMES = {
     "pattern": "blocks.{layer}.attn.hook_pattern",

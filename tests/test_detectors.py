@@ -248,9 +248,10 @@ def test_detections_carry_their_cost(story, tokenizer, monkeypatch):
     assert alone.seconds == 10
     names = ["attention", "information_flow", "key_removal_grad", "leave_one_out"]
     found = detectors.detect_many(names, model, tokenizer, [sample, sample], {"leave_one_out": {"top_m": 2}})
-    for one in found:
-        assert one["attention"].seconds == one["information_flow"].seconds == 5  # 10 over 2 samples
-        assert one["key_removal_grad"].seconds == one["leave_one_out"].seconds == 10
+    for one in found:  # key_removal_grad's key bias rides in the shared pass: 10 s over 2 samples
+        shared = [one[name].seconds for name in ("attention", "information_flow", "key_removal_grad")]
+        assert shared == [5, 5, 5]
+        assert one["leave_one_out"].seconds == 10
         assert one["leave_one_out"].details["passes"] == 3  # the full context and the top 2
 
 

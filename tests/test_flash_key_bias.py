@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from probe import attention, flash_key_bias
-from probe.attention import OUTPUTS, Modifier, key_biased_mask, modify
+from probe.attention import key_biased_mask
+from probe.capture import trace
 from probe.flash_key_bias import Excluded, key_biased_attention, unit_runs
 from probe.modifiers import bias_keys
 from probe.shared_state import frozen_parameters
@@ -73,13 +74,9 @@ def test_unit_runs_are_the_multi_token_units():
     assert unit_runs(None) == ()
 
 
-class Untouched(Modifier):
-    """An output modifier that changes nothing: beside a key bias it sends it to the math kernel."""
-
-    changes = frozenset({OUTPUTS})
-
-    def outputs(self, output, call):
-        return output
+def on_the_math_kernel(monkeypatch) -> None:
+    """Send every key bias to sdpa's math kernel under the biased mask (the reference path)."""
+    monkeypatch.setattr(attention, "flash_key_bias", lambda *args: False)
 
 
 @pytest.mark.parametrize("block", [512, 5])
@@ -87,7 +84,9 @@ class Untouched(Modifier):
 def test_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(tiny, presence, block, monkeypatch):
     """Tiny Llama (GQA) and Gemma 3 (window 6 < 24 tokens: bands): the gradient of the answer's
     log-probability by the bias, flash kernel against math kernel, to 1e-6; ``block`` 5: the rows of
-    a full layer under a mask run in blocks of 5 (:data:`probe.attention.KEY_BIAS_BLOCK`)."""
+    a full layer under a mask run in blocks of 5 (:data:`probe.attention.KEY_BIAS_BLOCK`). With a
+    trace beside the bias (it rebuilds the answer rows with the bias) the bias's gradient, the
+    captured rows and their gradients equal the math kernel's too."""
     monkeypatch.setattr(attention, "KEY_BIAS_BLOCK", block)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     targets = torch.tensor([21, 22, 23])
@@ -97,21 +96,29 @@ def test_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(tiny, prese
     calls = []
     flash = flash_key_bias.key_biased_attention
     monkeypatch.setattr(attention, "key_biased_attention", lambda *args: calls.append(1) or flash(*args))
+    layers = list(range(tiny.config.num_hidden_layers))
 
-    def gradient(*beside: Modifier) -> torch.Tensor:
+    def gradient(traced: bool) -> tuple[torch.Tensor, dict]:
         bias = start.clone().requires_grad_()
         with ExitStack() as stack:
             stack.enter_context(bias_keys(tiny, bias, units))
             stack.enter_context(frozen_parameters(tiny))
-            for modifier in beside:
-                stack.enter_context(modify(tiny, modifier))
+            rows = targets - 1
+            cache = stack.enter_context(trace(tiny, rows=rows, layers=layers, grad=True)) if traced else {}
             (grad,) = torch.autograd.grad(target_of(tiny, ids, targets), bias)
-        return grad
+        return grad, dict(cache)
 
-    fast = gradient()
-    assert len(calls) >= tiny.config.num_hidden_layers
-    calls.clear()
-    slow = gradient(Untouched())
-    assert not calls
-    assert (fast - slow).abs().max() <= 1e-6
-    assert slow.abs().max() > 1e-3
+    for traced in (False, True):
+        calls.clear()
+        fast, fast_cache = gradient(traced)
+        assert len(calls) >= tiny.config.num_hidden_layers
+        with monkeypatch.context() as patched:
+            on_the_math_kernel(patched)
+            calls.clear()
+            slow, slow_cache = gradient(traced)
+            assert not calls
+        assert (fast - slow).abs().max() <= 1e-6
+        assert slow.abs().max() > 1e-3
+        assert fast_cache.keys() == slow_cache.keys()
+        for name, captured in slow_cache.items():
+            assert (fast_cache[name] - captured).abs().max() <= 1e-6, name

@@ -1,9 +1,10 @@
 """The attention and gradient detectors: each reads one forward (and backward) pass over the sample.
 
-``attention``, ``fr``, ``embedding_grad``, ``information_flow``, ``grad_times_input`` and ``at2`` are
-readers of the shared answer-attribution pass (``@register(name, shared_pass=...)``): alone, each runs
-that pass; in :func:`~probe.detectors.run.detect_many` they share one. ``key_removal_grad``,
-``key_removal_banzhaf``, ``attn_lrp`` and ``integrated_gradients`` run passes of their own.
+``attention``, ``fr``, ``embedding_grad``, ``information_flow``, ``grad_times_input``,
+``key_removal_grad`` and ``at2`` are readers of the shared answer-attribution pass
+(``@register(name, shared_pass=...)``): alone, each runs that pass; in
+:func:`~probe.detectors.run.detect_many` they share one. ``key_removal_banzhaf`` (its key bias starts
+at log ½, another forward), ``attn_lrp`` and ``integrated_gradients`` run passes of their own.
 """
 
 from __future__ import annotations
@@ -132,42 +133,20 @@ def grad_times_input(model, attribution: AnswerAttribution, sample: Sample, top_
     return _additive(attribution.grad_times_input(), sample, top_k)
 
 
-@register("key_removal_grad")
-def key_removal_grad(
-    model,
-    tokenizer,
-    sample: Sample,
-    top_k: int = 30,
-    checkpoint: bool | str = "auto",
-    depth: float = 0.0,
-    steps: int = 1,
-    target: Target | None = None,
-    by_source: bool = False,
-) -> Detection:
+@register("key_removal_grad", shared_pass=SharedPass(layers="none", key_bias=True))
+def key_removal_grad(model, attribution: AnswerAttribution, sample: Sample, top_k: int = 30) -> Detection:
     """The key-removal gradient (:func:`probe.key_removal.key_removal_gradient`): ∂ log P(answer)/∂b_j
     for a bias b_j on key j's attention logit from every later query, every layer and head, at b = 0.
 
     A first-order estimate of removing token j from every attention, indirect paths included (a
-    second hop reading the first), at one forward and backward; a source scores the sum over its
-    tokens (``details["source_scores"]``), its first-order removal effect. Flags the ``top_k``
-    tokens. ``depth``, ``steps``: integrate the gradient along the path of every bias from 0 to
-    −``depth`` instead (``steps`` passes); ``checkpoint``: see
-    :func:`~probe.key_removal.key_removal_gradient`. ``by_source``: each source is removed as one unit,
-    so its own tokens' queries get no bias on its keys (``sources=`` of
-    :func:`~probe.key_removal.key_removal_gradient`).
+    second hop reading the first); a source scores the sum over its tokens
+    (``details["source_scores"]``), its first-order removal effect. Flags the ``top_k`` tokens. The
+    bias rides in the shared pass (the model unchanged at b = 0): in :func:`detect_many` it costs no
+    pass of its own. Sources removed as units (a source's own queries get no bias on its keys):
+    ``key_removal_banzhaf(presence=1)``; the gradient integrated along the bias path:
+    :func:`~probe.key_removal.key_removal_gradient` ``depth=``.
     """
-    sources = [(source.start, source.end) for source in sample.sources] if by_source else None
-    gradient = key_removal_gradient(
-        model,
-        sample.input_ids,
-        sample.target_positions,
-        checkpoint,
-        depth=depth,
-        steps=steps,
-        target=target,
-        sources=sources,
-    )
-    return _additive(gradient, sample, top_k, passes=steps, depth=depth, steps=steps, by_source=by_source)
+    return _additive(attribution.key_removal_gradient(), sample, top_k)
 
 
 @register("key_removal_banzhaf")

@@ -173,16 +173,21 @@ class SharedPass:
     """How a detector reads the shared answer-attribution pass (:func:`probe.attribution.answer_attribution`).
 
     ``layers``: the layers the pass must capture for it: ``"layers"`` (those its ``layers`` option names),
-    ``"all"``, or ``"none"`` (it reads the embedding gradient only). ``backward``: whether it reads
-    gradients; one that reads none runs alone as a forward pass (:func:`probe.attribution.attention_rows`).
+    ``"all"``, or ``"none"`` (it reads no attention rows). ``backward``: whether it reads gradients; one
+    that reads none runs alone as a forward pass (:func:`probe.attribution.attention_rows`).
+    ``key_bias``: whether it reads the gradient of a key bias at 0
+    (:meth:`~probe.attribution.AnswerAttribution.key_removal_gradient`), which the pass then holds.
     """
 
     layers: str = "layers"
     backward: bool = True
+    key_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.layers not in ("layers", "all", "none"):
             raise InvalidValueError(f"SharedPass.layers: 'layers', 'all' or 'none', not {self.layers!r}")
+        if self.key_bias and not self.backward:
+            raise InvalidValueError("SharedPass(key_bias=True) reads a gradient: it needs backward=True")
 
     def layers_of(self, model, read: Callable[..., Detection], options: dict[str, Any]) -> list[int]:
         """The layers the pass captures for a detector reading it with ``options``."""
@@ -253,7 +258,7 @@ def _alone(read: Callable[..., Detection], shared_pass: SharedPass) -> Detector:
 
     def alone(model, tokenizer, sample: Sample, checkpoint: bool | str = "auto", target=None, **options):
         layers = shared_pass.layers_of(model, read, options)
-        (attribution,) = run_pass(model, [sample], layers, shared_pass.backward, checkpoint, target)
+        (attribution,) = run_pass(model, [sample], layers, shared_pass, checkpoint, target)
         return read(model, attribution, sample, **options)
 
     parameters = [inspect.Parameter(p, positional) for p in ("model", "tokenizer", "sample")]
@@ -265,17 +270,20 @@ def run_pass(
     model,
     samples: list[Sample],
     layers: list[int],
-    backward: bool,
+    needs: SharedPass,
     checkpoint: bool | str = "auto",
     target=None,
 ) -> list[AnswerAttribution]:
     """The shared pass over ``samples`` (one pass for all): an answer attribution of ``layers`` each, from a
-    forward and backward pass, or from a forward pass alone (:meth:`AnswerAttribution.forward_only`)
-    when no reader needs gradients. No ``layers``: the embedding gradient alone, any layer will do."""
+    forward and backward pass (with a key bias if ``needs.key_bias``), or from a forward pass alone
+    (:meth:`AnswerAttribution.forward_only`) when ``needs.backward`` is false. No ``layers``: no reader
+    needs attention rows, any layer will do."""
     layers = layers or [0]
     ids, targets = [s.input_ids for s in samples], [s.target_positions for s in samples]
-    if backward:
-        return answer_attribution(model, ids, targets, layers, checkpoint, target=target)
+    if needs.backward:
+        return answer_attribution(
+            model, ids, targets, layers, checkpoint, target=target, key_bias=needs.key_bias
+        )
     patterns = attention_rows(model, ids, [t - 1 for t in targets], layers)
     return [AnswerAttribution.forward_only(p, layers, t) for p, t in zip(patterns, targets, strict=True)]
 

@@ -9,7 +9,7 @@ import dataclasses
 import inspect
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, overload
+from typing import Any
 
 import torch
 
@@ -20,14 +20,6 @@ from probe.detectors.registry import PASS_OPTIONS, Detection, finished
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.target import Contrast, describe
 from probe.tasks import Sample
-
-
-@overload
-def detect(name: str, model, tokenizer, sample: Sample, **options) -> Detection: ...
-
-
-@overload
-def detect(name: str, model, tokenizer, sample: Sequence[Sample], **options) -> list[Detection]: ...
 
 
 def detect(
@@ -81,28 +73,6 @@ def attribute(
     return dataclasses.replace(detect(method, model, tokenizer, sample, **options), rows="source")
 
 
-@overload
-def detect_many(
-    names: Sequence[str],
-    model,
-    tokenizer,
-    sample: Sample,
-    options: Mapping[str, Mapping[str, Any]] | None = ...,
-    checkpoint: bool | str = ...,
-) -> dict[str, Detection]: ...
-
-
-@overload
-def detect_many(
-    names: Sequence[str],
-    model,
-    tokenizer,
-    sample: Sequence[Sample],
-    options: Mapping[str, Mapping[str, Any]] | None = ...,
-    checkpoint: bool | str = ...,
-) -> list[dict[str, Detection]]: ...
-
-
 def detect_many(
     names: Sequence[str],
     model,
@@ -116,7 +86,7 @@ def detect_many(
     Returns name → :class:`Detection`, in the order of ``names``: the same detections as
     ``detect(name, model, tokenizer, sample, **options[name])`` one by one, but every detector that
     reads the shared pass (``@register(name, shared_pass=...)``: ``attention``, ``fr``,
-    ``embedding_grad``, ``information_flow``, ``grad_times_input``, ``at2``) reads one
+    ``embedding_grad``, ``information_flow``, ``grad_times_input``, ``key_removal_grad``, ``at2``) reads one
     :func:`probe.attribution.answer_attribution` forward+backward pass over the union of their
     layers instead of one pass each (a forward pass alone when none of them reads gradients;
     ``checkpoint``: that pass's, see :func:`~probe.attribution.answer_attribution`). The other
@@ -163,7 +133,10 @@ def detect_many(
         target.check(one.input_ids[one.target_positions])
     attributions, start = [None] * len(samples), time.perf_counter()
     if shared:
-        attributions = registry.run_pass(model, samples, layers, bool(explaining), checkpoint, target)
+        needs = registry.SharedPass(
+            backward=bool(explaining), key_bias=any(how.key_bias for how, _ in shared.values())
+        )
+        attributions = registry.run_pass(model, samples, layers, needs, checkpoint, target)
     seconds = (time.perf_counter() - start) / len(samples)  # the shared pass's, a sample
     found = []
     for one, attribution in zip(samples, attributions, strict=True):
