@@ -86,7 +86,7 @@ import probe  # noqa: E402
 from probe.faithfulness import answer_scores  # noqa: E402
 from probe.results import atomic_write  # noqa: E402
 from probe.tasks import Sample  # noqa: E402
-from probe.tasks.sample import chat_wrapper  # noqa: E402
+from probe.tasks.spans import chat_wrapper  # noqa: E402
 
 try:
     from context_cite import ContextCiter
