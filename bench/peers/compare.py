@@ -15,7 +15,8 @@ with the same settings (``settings.json``; other settings are refused).
 Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
 per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
 bootstrap intervals, seconds and forward passes a sample, samples scored), ``failures.csv`` and
-``lds_vs_cost.png``.
+``lds_vs_cost.png``. Each peer we re-implement (:data:`COUNTERPARTS`) also gets, per sample, the
+Spearman correlation of its source scores with our re-implementation's (``spearman_vs_ours``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import matplotlib
+from scipy.stats import spearmanr
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -53,6 +55,11 @@ PEERS = ["context_cite", "at2", "lxt", "gim", "flashtrace", "inseq:attention", "
 OURS = ["key_removal_banzhaf", "information_flow", "grad_times_input", "embedding_grad", "attention",
         "attn_lrp", "at2", "integrated_gradients", "context_cite"]  # fmt: skip
 KS = (1, 2, 4, 8)  # the held-out study's
+# our re-implementation of each peer
+COUNTERPARTS = {"context_cite": "context_cite", "at2": "at2", "lxt": "attn_lrp",
+                "inseq:attention": "attention",
+                "inseq:saliency": "embedding_grad", "inseq:input_x_gradient": "grad_times_input",
+                "inseq:integrated_gradients": "integrated_gradients"}  # fmt: skip
 PACKAGES = {"context_cite": "context-cite", "at2": "at2", "lxt": "lxt", "gim": "gim-explain",
             "flashtrace": "flashtrace", "inseq": "inseq"}  # fmt: skip
 
@@ -100,6 +107,21 @@ def run_ours(model, tokenizer, samples, name: str, out: Path) -> None:
     atomic_write(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
 
+def agreement(methods: dict, peers: list[str], ours: list[str]) -> pd.DataFrame:
+    """Per sample, the Spearman correlation of each peer's source scores with its counterpart's among
+    ``ours`` (:data:`COUNTERPARTS`): one row per (sample, peer) both scored."""
+    rows = []
+    for spec in peers:
+        counterpart = COUNTERPARTS.get(spec)
+        if counterpart not in ours:
+            continue
+        theirs, mine = methods[label(spec)], methods[counterpart]
+        for key in sorted(set(theirs) & set(mine)):
+            rho = spearmanr(theirs[key][0].numpy(), mine[key][0].numpy()).statistic
+            rows.append({"sample": key, "scorer": label(spec), "spearman_vs_ours": rho})
+    return pd.DataFrame(rows, columns=["sample", "scorer", "spearman_vs_ours"])
+
+
 def forward_seconds(model, sample) -> float:
     """One plain forward pass over ``sample`` (the unit of cost), best of two."""
     times = []
@@ -120,7 +142,8 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
         rows.append({"method": method, "source": source, "samples": len(group), "lds": lds.value,
                      "lds_low": lds.low, "lds_high": lds.high, "aopc_comprehensiveness": comp.value,
                      "aopc_low": comp.low, "aopc_high": comp.high, "seconds": group.seconds.mean(),
-                     "forwards": group.forwards.mean()})  # fmt: skip
+                     "forwards": group.forwards.mean(),
+                     "spearman_vs_ours": group.spearman_vs_ours.mean()})  # fmt: skip
     return pd.DataFrame(rows).sort_values("lds", ascending=False)
 
 
@@ -199,6 +222,7 @@ def main() -> None:
             atomic_write(part, lambda tmp, frame=frame: frame.to_csv(tmp, index=False))
         judged.append(pd.read_csv(part))
     table = pd.concat(judged, ignore_index=True)
+    table = table.merge(agreement(methods, args.peers, args.ours), on=["sample", "scorer"], how="left")
     sources = {name: source for name, (_, source) in files.items()} | {"additive_ceiling": "reference"}
     table["source"] = table.scorer.map(sources)
     found = summary(table)
