@@ -217,7 +217,7 @@ def at2(
     from this toolkit's ablations (:mod:`probe.at2`), on the answer rows' attention mass and saliency.
 
     ``weights``: a :class:`~probe.at2.HeadWeights` or its file; ``None`` = the weights bundled for the
-    model's architecture (SmolLM2-135M, Gemma 3 270M; learn others' with
+    model's architecture (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-0.5B; learn others' with
     ``python -m analyses.learn_head_weights``). One forward+backward pass over every layer, shared
     with the attention family in :func:`detect_many`. A source scores the sum over its tokens.
     """
