@@ -1,7 +1,7 @@
 """Which parts of your document carry the model's answer to your question (:func:`probe.attribute`).
 
 The context file is cut into sources (sentences by default), the model answers the query greedily
-(or explains ``--response``), and ``--method`` scores every source. Writes to ``--out``:
+(or explains ``--response``), and ``--detector`` scores every source. Writes to ``--out``:
 
 - ``sources.csv``: one row per source: its text, score and rank (1 = carries the answer most);
 - ``view.html``: the prompt with each token shaded by its score (self-contained, opens offline);
@@ -10,7 +10,7 @@ The context file is cut into sources (sentences by default), the model answers t
 
     python -m analyses.attribute --model smollm2-135m --context doc.txt --query "Who wrote it?" --out out/
     python -m analyses.attribute --model HuggingFaceTB/SmolLM2-360M-Instruct --context doc.txt \\
-        --query "..." --method leave_one_out --faithfulness --device cuda --out out/
+        --query "..." --detector leave_one_out --faithfulness --device cuda --out out/
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=Path, required=True, help="a UTF-8 text file: the document")
     parser.add_argument("--query", required=True, help="the question about the document")
     parser.add_argument("--response", default=None, help="the answer to explain (default: the model's)")
-    parser.add_argument("--method", default="key_removal_banzhaf", choices=detectors.names())
+    parser.add_argument("--detector", default="key_removal_banzhaf", choices=detectors.names())
     parser.add_argument("--sources", default="sentences", choices=("sentences", "paragraphs"))
     parser.add_argument("--faithfulness", action="store_true", help="also measure faithfulness by ablation")
     parser.add_argument("--masks", type=int, default=32, help="random source masks for LDS")
@@ -66,19 +66,19 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     model, tokenizer = load(args)
     found = probe.attribute(
-        model, tokenizer, args.text, args.query, args.response, args.method, args.sources,
+        model, tokenizer, args.text, args.query, args.response, args.detector, args.sources,
         max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     sample = found.sample
     table = found.to_frame().drop(columns=["detector"]).sort_values("rank")
     atomic_write(args.out / "sources.csv", lambda tmp: table.to_csv(tmp, index=False))
     found.save_html(args.out / "view.html")
-    about = {"model": args.model, "query": args.query, "response": sample.answer, "method": args.method}
+    about = {"model": args.model, "query": args.query, "response": sample.answer, "detector": args.detector}
     atomic_write(args.out / "settings.json", lambda tmp: tmp.write_text(json.dumps(about, indent=1)))
     print(f"response: {sample.answer!r}\n\n{table.head(10).to_string(index=False)}")
     if args.faithfulness:
-        scores = {args.method: found.source_scores()}
-        if args.method != "leave_one_out":
+        scores = {args.detector: found.source_scores()}
+        if args.detector != "leave_one_out":
             scores["leave_one_out"] = probe.detect("leave_one_out", model, tokenizer, sample).source_scores()
         scores["random_sources"] = torch.tensor(np.random.default_rng(0).random(len(sample.sources)))
         faithful = faithfulness.evaluate(model, sample, scores, n_masks=args.masks, seed=1)

@@ -82,7 +82,7 @@ def csv(figures: Path, name: str) -> pd.DataFrame:
     return pd.read_csv(path)
 
 
-# --- LongPPL (seed 000) ----------------------------------------------------------------------------
+# --- LongPPL (Fang et al. 2025) -----------------------------------------------------------------------------
 
 
 def answer_token_rules(figures: Path) -> Measured:
@@ -135,7 +135,7 @@ def longppl_beats_ppl(figures: Path) -> Measured:
     return Measured(estimate, f"{len(variants)} variants; abs(Pearson r) with mean accuracy, log scales")
 
 
-# --- CDT (seed 002) ----------------------------------------------------------------------------------
+# --- CDT (Context Denoising Training) ---------------------------------------------------------------------
 
 
 def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
@@ -268,7 +268,7 @@ def objective_advantage(objective: str) -> Callable[[Path], Measured]:
     return measure
 
 
-# --- position bias (seed 004) ---------------------------------------------------------------------
+# --- position bias (Wang et al., "Transformers Are Biased for Long-Context Modeling") -----------------------
 
 
 def gap(panel: str, setting: str, pair: str, paper: float) -> Callable[[Path], Measured]:
@@ -309,7 +309,7 @@ def lost_in_the_middle(figures: Path) -> Measured:
     return Measured(estimate, f"{models}; kv retrieval, accuracy at the ends (depth 0, 1) − at depth 0.5")
 
 
-# --- retrieval heads (Wu et al. 2024, LOGO App. B, seed 003) ----------------------------------------
+# --- retrieval heads (Wu et al. 2024; LOGO, Tang et al. 2024, App. B) ---------------------------------------
 
 
 def retrieval_head_ablation(figures: Path) -> Measured:

@@ -1,4 +1,4 @@
-"""LongPPL at small scale on the real models (seed 000, §2 and §4.1), with ``probe.lsd``.
+"""LongPPL at small scale on the real models (Fang et al. 2025, §2 and §4.1), with ``probe.lsd``.
 
 1. **Answer tokens** (§2.1–2.2, Figs. 2–4). LongEval ``lines`` samples (full record, gold answer
    teacher-forced, the asked line in the first 60 % so it sits more than K tokens back) at several

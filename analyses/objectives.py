@@ -7,7 +7,7 @@ the same order; AdamW with the same settings, gradient-norm clipping) on synthet
 Every loss is on the teacher-forced answer only, averaged over the ``--batch`` samples of a step:
 
 - ``ce``: mean cross-entropy of the answer tokens (:func:`probe.target_loss`);
-- ``longce``: LongCE (seed 000, eqs. 6–7) on the answer tokens,
+- ``longce``: LongCE (Fang et al. 2025, eqs. 6–7) on the answer tokens,
   :func:`probe.objectives.longce_target_loss`: each answer token weighted by min(exp(LSD), γ) of
   the model's own long-short difference. The short context is the last K tokens, K = length / 4
   by default. With K at least the sample's length no answer token has a short context, every
@@ -16,14 +16,15 @@ Every loss is on the teacher-forced answer only, averaged over the ``--batch`` s
   long context. Adam (and clipping) normalize the overall scale of the gradient, so the weights act
   only *relative to the other samples of the same step*: with one-token answers and one sample per
   step, LongCE would again train exactly like CE — hence ``--batch`` > 1;
-- ``cdt``: CDT (seed 002, eqs. 1–3), :func:`probe.objectives.cdt_loss`, online each step: the
+- ``cdt``: CDT (Context Denoising Training, eqs. 1–3), :func:`probe.objectives.cdt_loss`, online each
+  step: the
   context tokens whose embedding-gradient norm is below the context mean are moved by −lr·β·∇E
   (β = 5; lr = the training learning rate, as the paper prints it, unless ``--cdt-lr``), then
   CE on the denoised embeddings. ``objectives_training.csv`` records how far that moves the
   embeddings (``relative_shift`` = ‖E' − E‖ / ‖E‖ over the moved tokens) and the share of context
   tokens flagged critical. At fine-tuning learning rates the move is negligible (SmolLM2, lr 2e-5:
   ~1e-5 of the embedding norm) and CDT trains like CE; ``--cdt-lr`` tries larger steps.
-- ``logo``: LOGO (seed 003, eqs. 2–3), :func:`probe.objectives.logo_loss` on
+- ``logo``: LOGO (Tang et al. 2024, eqs. 2–3), :func:`probe.objectives.logo_loss` on
   :func:`probe.objectives.sequence_logprob`: the preferred response y_w is the gold answer, the M
   dispreferred responses y_l are the answers of the sample's interference facts
   (:func:`interference_answers`: "Fred went to the garden." → garden, "Fred took the apple." →

@@ -1,6 +1,6 @@
 """Tokenizer alignment: carry per-token values from one tokenization of a text to another.
 
-When the evaluator that picks LongPPL's key tokens is not the evaluated model (seed 000, App. A.1,
+When the evaluator that picks LongPPL's key tokens is not the evaluated model (Fang et al. 2025, App. A.1,
 eqs. 9–10), values travel between the two tokenizations through the characters of the text. Our
 default reads only the non-whitespace characters of a token, so the leading-space conventions of
 different tokenizers do not matter; ``skip_spaces=False`` requires plain containment of the

@@ -160,7 +160,7 @@ def information_flow(
 ) -> torch.Tensor | list[torch.Tensor]:
     """Information flow from each context token to the targets: Tensor[layers, seq].
 
-    The IG score of CDT (seed 002, eq. 1) / the saliency of Wang et al. (2023):
+    The IG score of CDT (Context Denoising Training, eq. 1) / the saliency of Wang et al. (2023):
     L = mean cross-entropy of the tokens at ``target_positions``, each predicted from row t − 1
     (``target``: another number about them, L = −target / k; see :mod:`probe.target`).
     Per layer l and key token i, summed over those rows r:

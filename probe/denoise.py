@@ -1,4 +1,4 @@
-"""Context-noise restraint (CDT, seed 002, §3.2 and Fig. 4).
+"""Context-noise restraint (CDT: Context Denoising Training, §3.2 and Fig. 4).
 
 The embeddings of irrelevant context tokens are moved against the gradient of the answer loss,
 E' = E − lr·β·∇E (CDT eq. 2), the critical tokens are left untouched, and the attention that the

@@ -1,4 +1,5 @@
-"""Position bias as a property of the attention graph (Wu, Wang, Jegelka & Jadbabaie, ICML 2025; seed 004).
+"""Position bias as a property of the attention graph (Wu, Wang, Jegelka & Jadbabaie, ICML 2025; Wang et
+al., "Transformers Are Biased for Long-Context Modeling").
 
 **Context selector** (eq. 4). Without residuals, ``X^(t+1) = A^(t) … A^(0) X^(0) W_V^(0) … W_V^(t)``, so
 row ``i`` of ``P^(t) = A^(t) … A^(0)`` (later layers on the left) is a distribution

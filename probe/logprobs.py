@@ -1,6 +1,6 @@
 """Log-probabilities of the tokens of a sequence, under its whole prefix or a truncated one.
 
-The long-context likelihood log P(x_t | x_<t) (seed 000, eq. 3) and the short-context one
+The long-context likelihood log P(x_t | x_<t) (Fang et al. 2025, eq. 3) and the short-context one
 log P(x_t | s_t) (eq. 2, s_t the last K tokens before x_t) — the two terms of the long-short
 difference of :mod:`probe.lsd` — and the per-token log-probabilities the LongCE objective weights
 (:mod:`probe.objectives`). Throughout, ``target_positions`` are the positions t of the predicted

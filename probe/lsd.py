@@ -1,4 +1,4 @@
-"""Long-short difference, key tokens and LongPPL (seed 000: Fang et al., "What is wrong with
+"""Long-short difference, key tokens and LongPPL ("What is wrong with
 perplexity for long-context language modeling?", ICLR 2025).
 
 For the token x_t at position t of a sequence (t = 0 … n−1, predicted from x_<t):

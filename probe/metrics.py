@@ -1,7 +1,7 @@
 """Scoring a detector's output against a sample's exact ground-truth spans.
 
 Only context tokens count (everything before the teacher-forced answer). Categories follow
-CDT (seed 002, Fig. 7): ``supporting`` and ``interference`` facts, ``noise`` (book text),
+CDT (Context Denoising Training, Fig. 7): ``supporting`` and ``interference`` facts, ``noise`` (book text),
 ``low_frequency`` (emoji); everything else in the prompt (template, instruction, question)
 is ``other``.
 """

@@ -1,14 +1,14 @@
-"""Training objectives of the seeds: LongCE (000), CDT (002) and LOGO (003).
+"""Training objectives of the papers: LongCE (the LongPPL paper), CDT and LOGO.
 
-- **LongCE** (seed 000, eqs. 6–7): cross-entropy with token weights min(exp(LSD), γ), where the
+- **LongCE** (Fang et al. 2025, eqs. 6–7): cross-entropy with token weights min(exp(LSD), γ), where the
   model scores its own long-short difference online (:mod:`probe.lsd`, :mod:`probe.logprobs`).
   :func:`longce_loss` weights every token of a sequence; :func:`longce_target_loss` weights only
   the target tokens (e.g. an answer), the setting of our fine-tuning experiment.
-- **CDT** (seed 002, §4): critical tokens are those whose embedding-gradient norm reaches the mean
-  (eq. 1); the other (noise) tokens are moved against their loss gradient, E' = E − lr·β·∇E
+- **CDT** (Context Denoising Training, §4): critical tokens are those whose embedding-gradient norm
+  reaches the mean (eq. 1); the other (noise) tokens are moved against their loss gradient, E' = E − lr·β·∇E
   (eq. 2), and the model is trained with cross-entropy on E' (eq. 3). :func:`cdt_loss` does all
   three steps online for one sequence.
-- **LOGO** (seed 003, eqs. 2–3): a reference-free (SimPO-style) preference loss with M
+- **LOGO** (Tang et al. 2024, eqs. 2–3): a reference-free (SimPO-style) preference loss with M
   dispreferred responses plus an SFT term, :func:`logo_loss`, fed by :func:`sequence_logprob`.
 """
 
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- LongCE (seed 000)
+# ------------------------------------------------------------------------------ LongCE (Fang et al. 2025)
 
 
 def longce_weights(lsd: torch.Tensor, gamma: float = 5.0) -> torch.Tensor:
@@ -76,7 +76,7 @@ def longce_target_loss(
     d: int = 1,
     gamma: float = 5.0,
 ) -> torch.Tensor:
-    """LongCE (seed 000, eqs. 6–7) on the target tokens only: −1/|T| Σ_{t∈T} w_t log P(x_t | x_<t).
+    """LongCE (Fang et al. 2025, eqs. 6–7) on the target tokens only: −1/|T| Σ_{t∈T} w_t log P(x_t | x_<t).
 
     ``input_ids`` is [seq] or [1, seq], ``target_positions`` the T positions scored (each ≥ 1).
     w_t = :func:`longce_weights` (min(exp(LSD_t), γ), detached) of the model's own LSD, with the
@@ -98,7 +98,7 @@ def longce_target_loss(
     return -(longce_weights(lsd, gamma) * logprobs).mean()
 
 
-# --------------------------------------------------------------------------- CDT (seed 002)
+# --------------------------------------------------------------------------- CDT (Context Denoising Training)
 
 
 def critical_tokens(grad_norms: torch.Tensor, context: int | None = None) -> torch.Tensor:
@@ -162,7 +162,7 @@ def cdt_loss(
     context: int | None = None,
     checkpoint: bool | str = "auto",
 ) -> CDTLoss:
-    """One online CDT step's loss (seed 002, §4, eqs. 1–3) for one sequence.
+    """One online CDT step's loss (Context Denoising Training, §4, eqs. 1–3) for one sequence.
 
     1. ∇E = ∂L/∂E of the mean cross-entropy of the tokens at ``target_positions`` (each predicted
        from row t − 1), parameters frozen (:func:`probe.embedding_grads`): Tensor[seq, hidden].
@@ -192,7 +192,7 @@ def cdt_loss(
     return CDTLoss(loss, critical, (denoised - embeds).detach())
 
 
-# --------------------------------------------------------------------------- LOGO (seed 003)
+# --------------------------------------------------------------------------- LOGO (Tang et al. 2024)
 
 
 def sequence_logprob(
@@ -222,7 +222,7 @@ def logo_loss(
     gamma: float,
     sft_weight: float = 0.1,
 ) -> torch.Tensor:
-    """LOGO's loss (seed 003, eqs. 2–3), mean over the batch: a scalar.
+    """LOGO's loss (Tang et al. 2024, eqs. 2–3), mean over the batch: a scalar.
 
     With r(y) = β/|y| · log π(y|x) (SimPO's length-normalized implicit reward, eq. 1):
 

@@ -2,8 +2,8 @@
 
 RoPE rotates channel pair i of the queries and keys at position m by the angle m·θ_i, with
 θ_i = base^(−2i/d) (the rotary embedding's ``inv_freq``, d the head dimension). Long-context
-training raises the base (seed 000, App. A.2: EABF's 500k; App. B.5: 500k → 2M to reach beyond
-32K); shrinking it turns every pair faster than the model was trained for, most of all the slow pairs
+training raises the base (Fang et al. 2025, App. A.2: EABF's 500k; App. B.5: 500k → 2M to reach
+beyond 32K); shrinking it turns every pair faster than the model was trained for, most of all the slow pairs
 that carry long distances, and so hurts long-context retrieval more than local prediction.
 """
 

@@ -56,7 +56,7 @@ def valid_calls(c: dict) -> dict[str, tuple[Callable, dict]]:
     m, tok, s, ids, t = c["model"], c["tokenizer"], c["sample"], c["ids"], c["targets"]
     text = "Mary went home. " * 20
     return {
-        "detect": (probe.detect, dict(name="attention", model=m, tokenizer=tok, sample=s)),
+        "detect": (probe.detect, dict(detector="attention", model=m, tokenizer=tok, sample=s)),
         "ablate_heads": (probe.ablate_heads, dict(model=m, heads=[(0, 1)])),
         "answer": (probe.answer, dict(model=m, tokenizer=tok, sample=s, max_new_tokens=2)),
         "answer_attribution": (probe.answer_attribution, dict(model=m, input_ids=ids, target_positions=t)),
@@ -64,7 +64,7 @@ def valid_calls(c: dict) -> dict[str, tuple[Callable, dict]]:
         "attention_matrices": (probe.attention_matrices, dict(model=m, input_ids=ids[:40], layers=[0])),
         "attention_rows": (probe.attention_rows, dict(model=m, input_ids=ids, rows=t)),
         "attribute": (probe.attribute, dict(model=m, tokenizer=tok, context="Mary went home. Tom left.",
-                                            query="Where?", response="home", method="attention")),
+                                            query="Where?", response="home", detector="attention")),
         "checkpointed": (probe.checkpointed, dict(model=m, enabled=True)),
         "context_selector": (probe.context_selector, dict(model=m, input_ids=ids[:40])),
         "embedding_grad_norms": (probe.embedding_grad_norms, dict(model=m, input_ids=ids,

@@ -75,7 +75,7 @@ def tiny(tiny_model_folder):
 
 def test_attribute_explains_a_response_per_source_and_every_measure_takes_it(tiny):
     model, tokenizer = tiny
-    found = probe.attribute(model, tokenizer, CONTEXT, QUERY, response="1889", method="leave_one_out")
+    found = probe.attribute(model, tokenizer, CONTEXT, QUERY, response="1889", detector="leave_one_out")
     frame = found.to_frame()
     assert list(frame.columns[:6]) == ["source", "category", "start", "end", "text", "score"]
     assert len(frame) == 6 and sorted(frame["rank"]) == list(range(1, 7))
@@ -115,7 +115,7 @@ def test_the_cli_writes_sources_view_and_faithfulness(tiny_model_folder, tmp_pat
         ({"--context": "missing.txt"}, "not a file"),
         ({"--query": " "}, "query is empty"),
         ({"--device": "cuda:7"}, "not available"),
-        ({"--method": "nope"}, "invalid choice"),
+        ({"--detector": "nope"}, "invalid choice"),
     ],
 )
 def test_the_cli_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys, change, message):
@@ -152,7 +152,7 @@ def test_the_planted_sentence_is_found_in_an_essay_and_its_removal_costs_the_ans
     model, tokenizer = smollm2
     context = planted_essay(tokenizer, 2000)
     found = probe.attribute(model, tokenizer, context, "Who was the lighthouse keeper on Bell Rock?",
-                            method="information_flow")  # fmt: skip
+                            detector="information_flow")  # fmt: skip
     frame = found.to_frame()
     assert "Margaret Ainsley" in found.sample.answer and len(frame) > 50
     assert PLANTED in frame.nsmallest(3, "rank").text.tolist()
@@ -174,7 +174,7 @@ def test_attribute_works_on_an_essay_with_paragraph_breaks_with_qwen():
     paragraphs[len(paragraphs) // 2] += " " + PLANTED
     context = "\n\n".join(paragraphs)
     found = probe.attribute(model, tokenizer, context, "Who was the lighthouse keeper on Bell Rock?",
-                            method="key_removal_banzhaf")  # fmt: skip
+                            detector="key_removal_banzhaf")  # fmt: skip
     sample, frame = found.sample, found.to_frame()
     assert sample.cuts == () and "Margaret Ainsley" in sample.answer
     closing = [tokenizer.decode(sample.input_ids[source.end - 1]) for source in sample.sources]

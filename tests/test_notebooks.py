@@ -21,7 +21,7 @@ TINY_SETTINGS = {
     "retrieval_heads.ipynb": {
         "MODEL": TINY_MODEL, "LENGTHS": [160], "DEPTHS": [0.5], "ABLATION_SAMPLES": 1, "K": 2,
     },  # fmt: skip
-    "your_own_text.ipynb": {"MODEL": TINY_MODEL, "METHOD": "attention", "ESSAY_TOKENS": 300, "MASKS": 4},
+    "your_own_text.ipynb": {"MODEL": TINY_MODEL, "DETECTOR": "attention", "ESSAY_TOKENS": 300, "MASKS": 4},
 }
 
 

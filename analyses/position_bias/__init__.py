@@ -1,4 +1,5 @@
-"""Position bias from the attention graph (Wu et al., ICML 2025; seed 004): theory, controlled study, LMs.
+"""Position bias from the attention graph (Wu et al., ICML 2025; Wang et al., "Transformers Are Biased
+for Long-Context Modeling"): theory, controlled study, LMs.
 
 - :mod:`analyses.position_bias.theory`: Cesàro, decay and RoPE selectors beside their closed forms;
 - :mod:`analyses.position_bias.controlled`: attention-only networks trained with no bias in the

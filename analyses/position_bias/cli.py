@@ -1,4 +1,5 @@
-"""Position bias from the attention graph (Wu et al., ICML 2025; seed 004): theory, controlled study, LMs.
+"""Position bias from the attention graph (Wu et al., ICML 2025; Wang et al., "Transformers Are Biased
+for Long-Context Modeling"): theory, controlled study, LMs.
 
 1. **Controlled study** (paper §5, Figs 2/4/5): attention-only networks (:mod:`probe.attention_only`)
    trained on in-context classification with no data bias; the gap ``acc[a, b] − acc[b, a]`` for

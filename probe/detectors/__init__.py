@@ -7,7 +7,9 @@ sample's teacher-forced gold answer (rows ``sample.target_positions − 1``); sc
 or after the answer are not meaningful for detection and :mod:`probe.metrics` ignores them.
 A detector is named once, in ``@register(name)``, which also says whether it reads the shared
 answer-attribution pass (``shared_pass=``); the registry stamps the name on its result. Adding a
-detector is one decorated function in one module.
+detector is one decorated function in one module, named as it is registered (``random`` is
+``random_scores``, not to shadow the standard module); :func:`detect` and :func:`attribute` take that
+name as ``detector``.
 
     >>> detection = probe.detect("information_flow", model, tokenizer, sample)
     >>> detection.scores.shape, detection.flagged.sum()
@@ -42,14 +44,14 @@ from probe.detectors.one_pass import (
     attention,
     attn_lrp,
     embedding_grad,
-    fact_retrieval,
+    fr,
     grad_times_input,
     information_flow,
     integrated_gradients,
     key_removal_banzhaf,
     key_removal_grad,
 )
-from probe.detectors.baselines import lexical_overlap, long_short_difference, random_scores, recency
+from probe.detectors.baselines import lexical_overlap, lsd, random_scores, recency
 from probe.detectors.ablation import context_cite, leave_one_out
 from probe.detectors.run import (
     attribute,
@@ -73,7 +75,7 @@ __all__ = [
     "detect",
     "detect_many",
     "embedding_grad",
-    "fact_retrieval",
+    "fr",
     "from_attribution",
     "grad_times_input",
     "information_flow",
@@ -82,7 +84,7 @@ __all__ = [
     "key_removal_grad",
     "leave_one_out",
     "lexical_overlap",
-    "long_short_difference",
+    "lsd",
     "names",
     "options",
     "random_scores",

@@ -14,7 +14,7 @@ from probe.tasks import Sample
 
 
 @register("lsd")
-def long_short_difference(
+def lsd(
     model, tokenizer, sample: Sample, K: int = 256, d: int = 128, alpha: float = 2.0, beta: float = -2.0
 ) -> Detection:
     """Long-short difference LSD(x_i) = log P(x_i | all) − log P(x_i | last K tokens) (LongPPL eq. 2).
@@ -28,12 +28,12 @@ def long_short_difference(
     from probe.logprobs import short_context_blocks
     from probe.lsd import key_token_mask, lsd_scores
 
-    lsd, lcl = lsd_scores(model, sample.input_ids, K=K, d=d)
+    differences, lcl = lsd_scores(model, sample.input_ids, K=K, d=d)
     passes = 1 + len(short_context_blocks(len(sample.input_ids), K, d))  # the long pass and each window
-    flagged = key_token_mask(lsd, lcl, alpha, beta)
+    flagged = key_token_mask(differences, lcl, alpha, beta)
     flagged[sample.prompt_length :] = False
     return Detection(
-        scores=lsd.nan_to_num(0.0),
+        scores=differences.nan_to_num(0.0),
         flagged=flagged,
         settings={"K": K, "d": d, "alpha": alpha, "beta": beta},
         details={"lcl": lcl, "passes": passes},

@@ -49,7 +49,7 @@ def attention(
 
 
 @register("fr", shared_pass=SharedPass(backward=False))
-def fact_retrieval(
+def fr(
     model, attribution: AnswerAttribution, sample: Sample, layers=None, top_k: int = 30
 ) -> Detection:
     """Fact-retrieval score (CDT §3.1): how often a token is among a head's top-k attended tokens.

@@ -23,17 +23,19 @@ from probe.tasks import Sample
 
 
 def detect(
-    name: str, model, tokenizer, sample: Sample | Sequence[Sample], **options
+    detector: str, model, tokenizer, sample: Sample | Sequence[Sample], **options
 ) -> Detection | list[Detection]:
-    """Run detector ``name`` on ``sample``; ``options`` go to the detector (see its docstring).
+    """Run the detector registered as ``detector`` (:func:`names`) on ``sample``; ``options`` go to it
+    (see its docstring).
 
-    Several samples: one :class:`Detection` each, the attention family from one batched pass
+    Several samples: one :class:`Detection` each, the shared-pass readers from one batched pass
     (:func:`detect_many`).
     """
-    detector = registry.lookup(name)
+    run = registry.lookup(detector)
     if isinstance(sample, (list, tuple)):
-        return [found[name] for found in detect_many([name], model, tokenizer, sample, {name: options})]
-    return detector(model, tokenizer, sample, **options)
+        found = detect_many([detector], model, tokenizer, sample, {detector: options})
+        return [one[detector] for one in found]
+    return run(model, tokenizer, sample, **options)
 
 
 def attribute(
@@ -42,7 +44,7 @@ def attribute(
     context: str,
     query: str,
     response: str | None = None,
-    method: str = "key_removal_banzhaf",
+    detector: str = "key_removal_banzhaf",
     sources: str | Sequence[str] | Sequence[tuple[int, int]] = "sentences",
     chat: bool | None = None,
     max_new_tokens: int = 64,
@@ -52,13 +54,13 @@ def attribute(
 
     The context becomes a sample (:meth:`probe.tasks.Sample.from_text`, cut into ``sources``); the
     model answers greedily (at most ``max_new_tokens``) unless ``response`` is given; detector
-    ``method`` (any of :func:`names`, ``options`` to it) explains the response's teacher-forced
+    ``detector`` (any of :func:`names`, ``options`` to it) explains the response's teacher-forced
     tokens; the default, ``key_removal_banzhaf``, is the one-pass detector nearest exact ablation
     (LDS, RESULTS.md). Returns the :class:`Detection`, its sample attached (``detection.sample``, with the
     response as its answer), whose :meth:`~Detection.to_frame` has one row per source (text, score,
     rank) and whose view shows the text; :func:`probe.faithfulness.evaluate` and every metric take it.
     """
-    registry.check_options(method, options)
+    registry.check_options(detector, options)
     check_tokenizer(tokenizer)
     if response is None:
         from probe.generation import answer
@@ -70,7 +72,7 @@ def attribute(
                 "the model's greedy answer is empty: pass response=... to explain a given one"
             )
     sample = Sample.from_text(tokenizer, context, query, response, sources, chat)
-    return dataclasses.replace(detect(method, model, tokenizer, sample, **options), rows="source")
+    return dataclasses.replace(detect(detector, model, tokenizer, sample, **options), rows="source")
 
 
 def detect_many(
