@@ -130,9 +130,10 @@ def test_shared_pass_batches_faithfulness_and_the_probes_on_the_device(models, t
 def test_attribute_and_answer_on_the_device(models, tokenizer):
     model, moved, context, atol = models
     text = "The lighthouse keeper was named Ada. The ferry left at noon. Ada painted the door blue."
-    expected = probe.attribute(model, tokenizer, text, "Who kept the lighthouse?", detector="information_flow")
+    query = "Who kept the lighthouse?"
+    expected = probe.attribute(model, tokenizer, text, query, detector="information_flow")
     with context():
-        found = probe.attribute(moved, tokenizer, text, "Who kept the lighthouse?", detector="information_flow")
+        found = probe.attribute(moved, tokenizer, text, query, detector="information_flow")
         frame = found.to_frame()
     assert found.sample.answer == expected.sample.answer
     close(found.scores, expected.scores, atol)
