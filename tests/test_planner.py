@@ -14,7 +14,7 @@ import torch
 from test_architectures import build
 
 import probe
-from probe import memory, planner
+from probe import memory, passes, planner
 from probe.capture import trace
 from probe.modifiers import KeyBias, KeyMask, bias_keys
 from probe.planner import Plan, Shapes, auto_checkpoint, guard, plan
@@ -37,7 +37,7 @@ def test_terms_add_up_to_the_total(tiny, name):
         assert result.total == sum(result.terms.values()) > 0
         assert result.terms == result.phases[result.phase]
         assert result.total == max(sum(terms.values()) for terms in result.phases.values())
-        assert set(result.terms) == set(planner.TERMS)
+        assert set(result.terms) == set(passes.TERMS)
         frame = result.to_frame()
         assert frame["bytes"].sum() == result.total
         assert frame["share"].sum() == pytest.approx(1)
