@@ -32,3 +32,19 @@ def test_the_readme_block_is_rewritten_from_the_records(tmp_path, monkeypatch):
     monkeypatch.setattr(timed, "ROOT", tmp_path)
     block = timed.readme_block()
     assert "`make test`: 12 min 34 s on 2 cores of AMD EPYC" in block and "load 0.31 at the start" in block
+
+
+def test_the_quick_start_output_is_the_committed_run():
+    """The quick start's answer and top three sentences are those of ``figures/quick_start/`` (the
+    ``analyses.attribute`` run the README names), to the digits shown."""
+    import pandas as pd
+
+    readme = (ROOT / "README.md").read_text()
+    run = ROOT / "figures" / "quick_start"
+    settings = json.loads((run / "settings.json").read_text())
+    shown = readme.split("<!-- quick-start:start -->\n")[1].split("\n<!-- quick-start:end -->")[0]
+    top = pd.read_csv(run / "sources.csv").sort_values("rank").head(3)
+    assert shown.splitlines() == [f"{int(r.rank)}. {r.score:.3f} — {r.text}" for r in top.itertuples()]
+    assert f'answers "{settings["response"]}"' in " ".join(readme.split())
+    assert settings["model"] == "smollm2-135m" and settings["detector"] == "key_removal_banzhaf"
+    assert f'--query "{settings["query"]}"' in " ".join(readme.split())
