@@ -103,6 +103,7 @@ class HeadWeights:
 
     @classmethod
     def load(cls, path: str | Path) -> HeadWeights:
+        """The head weights :meth:`save` wrote."""
         record = read_json(path, "HeadWeights", ("weights", "settings"))
         with reading(path, "HeadWeights"):
             return cls(torch.tensor(record["weights"]), record["settings"])

@@ -202,6 +202,7 @@ def modify(model, modifier: Modifier) -> Iterator[Modifier]:
 
 
 def not_reached(inner: PreTrainedModel) -> UnsupportedModelError:
+    """The error for a modifier whose block ran but never reached longprobe's attention function."""
     return UnsupportedModelError(
         f"no attention call of {type(inner).__name__} reached longprobe's attention function "
         "(did the block run a forward pass?); the model's attention may not use the AttentionInterface"

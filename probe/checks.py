@@ -81,6 +81,7 @@ def input_device(model) -> torch.device:
 
 
 def n_layers(model) -> int:
+    """The number of decoder layers of ``model`` (of its text model, for a multimodal one)."""
     return hf_model(model).config.get_text_config().num_hidden_layers
 
 

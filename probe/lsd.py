@@ -174,6 +174,7 @@ class KeyTokens:
 
     @classmethod
     def load(cls, path: str | Path) -> KeyTokens:
+        """The key tokens :meth:`save` wrote."""
         record = read_json(path, "KeyTokens", ("text", "input_ids", "offsets", "lsd", "lcl", "key", "soft"))
         with reading(path, "KeyTokens"):
             return cls(
@@ -302,6 +303,7 @@ class LongPPLResult:
 
     @classmethod
     def load(cls, path: str | Path) -> LongPPLResult:
+        """The result :meth:`save` wrote."""
         record = read_json(path, "LongPPLResult", [f.name for f in fields(cls)])
         with reading(path, "LongPPLResult"):
             return cls(**record | {"key_spans": [tuple(span) for span in record["key_spans"]]})

@@ -73,6 +73,7 @@ class Plan:
 
     @property
     def total(self) -> int:
+        """Predicted peak bytes: the sum of :attr:`terms`."""
         return sum(self.terms.values())
 
     def __str__(self) -> str:

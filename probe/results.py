@@ -26,12 +26,18 @@ class Result(Protocol):
 
     settings: dict[str, Any]
 
-    def to_frame(self) -> pd.DataFrame: ...
+    def to_frame(self) -> pd.DataFrame:
+        """The result as a table."""
+        ...
 
-    def save(self, path: str | Path) -> None: ...
+    def save(self, path: str | Path) -> None:
+        """Write the result and its settings to ``path``, atomically."""
+        ...
 
     @classmethod
-    def load(cls, path: str | Path) -> Result: ...
+    def load(cls, path: str | Path) -> Result:
+        """The result :meth:`save` wrote."""
+        ...
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
