@@ -108,18 +108,23 @@ class Modifier:
     masks_built: int = field(default=0, init=False, repr=False)
 
     def inputs(self, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``inputs``: q [batch, heads, q, dim], k and v [batch, kv_heads, kv, dim], changed."""
         return query, key, value
 
     def key_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``scores``: (bias [batch or 1, kv], units LongTensor[kv] or None), see ``bias_keys``."""
         raise NotImplementedError(f"{type(self).__name__} changes scores but defines no key_bias")
 
     def overlay(self, frame: MaskFrame) -> Callable:
+        """``mask``: a transformers mask function ``(batch, head, q, kv) -> bool``, and-ed in."""
         raise NotImplementedError(f"{type(self).__name__} changes the mask but defines no overlay")
 
     def table(self, batch_size: int, kv_end: int, device) -> torch.Tensor:
+        """``positions``: LongTensor[batch, kv_end], the original position of every key."""
         raise NotImplementedError(f"{type(self).__name__} changes positions but defines no table")
 
     def outputs(self, output: torch.Tensor, call: LayerCall) -> torch.Tensor:
+        """``outputs``: the per-head output [batch, q, heads, dim] of the layer in ``call``, changed."""
         return output
 
     def reach(self, layer: int | None) -> None:
