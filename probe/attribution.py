@@ -254,6 +254,21 @@ def embedding_grad_norms(
     return [_norms(grad, p) for grad in grads]
 
 
+def critical_tokens(grad_norms: torch.Tensor, context: int | None = None) -> torch.Tensor:
+    """The critical tokens of CDT (Context Denoising Training) eq. 1, I(x_i): bool Tensor[seq],
+    ‖∇E(x_i)‖₂ ≥ t with t the mean norm (``grad_norms``: :func:`embedding_grad_norms`).
+
+    The mean runs over the first ``context`` tokens (all tokens if ``None``, as printed in the
+    paper); tokens at or after ``context`` are never critical.
+    """
+    context = len(grad_norms) if context is None else context
+    if not 0 < context <= len(grad_norms):
+        raise InvalidValueError(f"context must be in [1, {len(grad_norms)}], got {context}")
+    critical = torch.zeros(len(grad_norms), dtype=torch.bool, device=grad_norms.device)
+    critical[:context] = grad_norms[:context] >= grad_norms[:context].mean()
+    return critical
+
+
 def _norms(grads: torch.Tensor, p: float) -> torch.Tensor:
     """‖grads‖_p over the last dimension, in at least float32 (a bf16 model's gradients too)."""
     return grads.to(torch.promote_types(grads.dtype, torch.float32)).norm(p=p, dim=-1)

@@ -39,7 +39,7 @@ def moved_tokens(sample: Sample, move: str | torch.Tensor, grads: torch.Tensor) 
 
     ``move`` is a name of :data:`MOVES` (ground-truth spans), ``"detected"`` (the prompt tokens that
     CDT eq. 1 does not flag as critical: ‖∇E(x_i)‖₂ below the mean over the prompt, see
-    :func:`probe.objectives.critical_tokens`; template and question tokens can be among them), or a
+    :func:`probe.attribution.critical_tokens`; template and question tokens can be among them), or a
     bool Tensor[seq] of your own. ``grads`` is ∂L/∂E, Tensor[seq, hidden]. The ground-truth moves
     never touch the instruction, question, chat template or answer; ``"detected"`` never touches
     the answer.

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from probe.attribution import embedding_grads
+from probe.attribution import critical_tokens, embedding_grads
 from probe.checks import check_input_ids, check_positions, hf_model
 from probe.errors import InvalidValueError
 from probe.logprobs import final_hidden_states, short_logprobs, target_logprobs
@@ -31,7 +31,6 @@ from probe.target import target_loss
 __all__ = [
     "CDTLoss",
     "cdt_loss",
-    "critical_tokens",
     "denoised_embeddings",
     "logo_loss",
     "longce_loss",
@@ -101,25 +100,11 @@ def longce_target_loss(
 # --------------------------------------------------------------------------- CDT (Context Denoising Training)
 
 
-def critical_tokens(grad_norms: torch.Tensor, context: int | None = None) -> torch.Tensor:
-    """I(x_i) of CDT eq. 1: bool Tensor[seq], ‖∇E(x_i)‖₂ ≥ t with t the mean norm.
-
-    The mean runs over the first ``context`` tokens (all tokens if ``None``, as printed in the
-    paper); tokens at or after ``context`` are never critical.
-    """
-    context = len(grad_norms) if context is None else context
-    if not 0 < context <= len(grad_norms):
-        raise InvalidValueError(f"context must be in [1, {len(grad_norms)}], got {context}")
-    critical = torch.zeros(len(grad_norms), dtype=torch.bool, device=grad_norms.device)
-    critical[:context] = grad_norms[:context] >= grad_norms[:context].mean()
-    return critical
-
-
 def noise_tokens(grad_norms: torch.Tensor, context: int | None = None) -> torch.Tensor:
     """The tokens CDT moves: bool Tensor[seq], the first ``context`` tokens that are not critical.
 
-    ~I(x_i) of eq. 1 (:func:`critical_tokens`) restricted to the context: tokens at or after
-    ``context`` (e.g. the answer) are never moved.
+    ~I(x_i) of eq. 1 (:func:`~probe.attribution.critical_tokens`) restricted to the context: tokens
+    at or after ``context`` (e.g. the answer) are never moved.
     """
     noise = ~critical_tokens(grad_norms, context)
     if context is not None:
@@ -166,7 +151,8 @@ def cdt_loss(
 
     1. ∇E = ∂L/∂E of the mean cross-entropy of the tokens at ``target_positions`` (each predicted
        from row t − 1), parameters frozen (:func:`probe.embedding_grads`): Tensor[seq, hidden].
-    2. I(x_i) = :func:`critical_tokens` of ‖∇E(x_i)‖₂ over the first ``context`` tokens (eq. 1).
+    2. I(x_i) = :func:`~probe.attribution.critical_tokens` of ‖∇E(x_i)‖₂ over the first ``context``
+       tokens (eq. 1).
     3. E' = :func:`denoised_embeddings` moving the noise tokens, ``move = ~I`` (the text's reading
        of eq. 2; :func:`noise_tokens`), with the learning rate ``lr`` and β (paper: 5). Tokens at
        or after ``context`` (the response, when ``context`` is the prompt length) are not moved.

@@ -6,7 +6,7 @@ import torch
 
 import probe
 from probe import denoise
-from probe.objectives import critical_tokens
+from probe.attribution import critical_tokens
 from probe.tasks import Sample
 
 ATOL = 1e-5

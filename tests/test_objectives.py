@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import probe
+from probe.attribution import critical_tokens
 from probe.objectives import (
     cdt_loss,
-    critical_tokens,
     denoised_embeddings,
     logo_loss,
     longce_target_loss,

@@ -14,14 +14,13 @@ from pathlib import Path
 import torch
 
 from probe.at2 import HeadWeights, token_features
-from probe.attribution import AnswerAttribution
+from probe.attribution import AnswerAttribution, critical_tokens
 from probe.checks import check_int, check_layers, hf_model, input_device
 from probe.detectors.registry import Detection, SharedPass, register, top_k_mask
 from probe.errors import InvalidValueError
 from probe.faithfulness import random_masks, removed_positions
 from probe.key_removal import key_removal_gradient
 from probe.lrp import relevance
-from probe.objectives import critical_tokens
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters
 from probe.target import Target, target_loss_of
@@ -49,9 +48,7 @@ def attention(
 
 
 @register("fr", shared_pass=SharedPass(backward=False))
-def fr(
-    model, attribution: AnswerAttribution, sample: Sample, layers=None, top_k: int = 30
-) -> Detection:
+def fr(model, attribution: AnswerAttribution, sample: Sample, layers=None, top_k: int = 30) -> Detection:
     """Fact-retrieval score (CDT §3.1): how often a token is among a head's top-k attended tokens.
 
     At each answer step j every head attends the ``top_k`` tokens it weights most (its set s_j).
