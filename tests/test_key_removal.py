@@ -266,3 +266,26 @@ def test_the_path_integrated_key_removal_gradient_is_complete(tiny, ids):
     assert errors[1] < errors[0] / 50 and errors[1] < 2e-3 * abs(lost) and abs(lost) > 1e-2  # O(1/steps²)
     with pytest.raises(ValueError, match="steps > 1 needs depth > 0"):
         key_removal_gradient(tiny, ids, TARGETS, steps=4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_shared_pass_holds_each_samples_key_removal_gradient_in_a_padded_batch(tokenizer_sample, family):
+    """Two samples of different lengths in one shared pass (padded, so the key bias runs under a mask):
+    each one's ``key_removal_grad`` equals its own ``key_removal_gradient``; a pass without the bias
+    says so, and a reader of gradients cannot declare a forward-only pass."""
+    from probe import tasks
+
+    tokenizer, _ = tokenizer_sample
+    model = probe.tiny_model(family, vocab_size=len(tokenizer), max_position_embeddings=1024)
+    samples = [tasks.make("multihop-2", tokenizer, length, seed=2) for length in (300, 240)]
+    assert len(samples[0].input_ids) != len(samples[1].input_ids)
+    found = detectors.detect_many(["information_flow", "key_removal_grad"], model, tokenizer, samples)
+    for sample, one in zip(samples, found, strict=True):
+        alone = key_removal_gradient(model, sample.input_ids, sample.target_positions)
+        assert alone.abs().max() > 1e-4
+        assert (one["key_removal_grad"].scores - alone).abs().max() <= 1e-5
+    plain = probe.answer_attribution(model, samples[0].input_ids, samples[0].target_positions, [0])
+    with pytest.raises(ValueError, match="key_bias=True"):
+        plain.key_removal_gradient()
+    with pytest.raises(ValueError, match="backward=True"):
+        detectors.SharedPass(backward=False, key_bias=True)
