@@ -152,6 +152,7 @@ def _run_child(
     loo_samples: int,
     device: str,
     dtype: str | None,
+    tokenizer_folder: str | None,
     exhaustive_dir: Path,
 ) -> dict:
     """Measure one method in this (fresh) process: time, memory, passes and a checksum or agreement."""
@@ -162,7 +163,7 @@ def _run_child(
     from probe import faithfulness, tasks
 
     torch.set_num_threads(threads)
-    model, tokenizer = load(model_name, device, METHOD_DTYPES.get(method, dtype))
+    model, tokenizer = load(model_name, device, METHOD_DTYPES.get(method, dtype), tokenizer_folder)
     sample = tasks.make("multihop-2", tokenizer, length, seed=0)
     if method in FAITHFULNESS_METHODS:
         faithfulness.answer_scores(model, sample, bench_masks(sample)[:2])  # warm up
@@ -228,6 +229,7 @@ def _main(args: argparse.Namespace, exhaustive_dir: Path) -> pd.DataFrame:
         loo_samples=args.loo_samples,
         device=args.device,
         dtype=args.dtype,
+        tokenizer_folder=args.tokenizer,
         exhaustive_dir=exhaustive_dir,
     )
     forwarded = ["--threads", str(args.threads), "--loo-samples", str(args.loo_samples)]

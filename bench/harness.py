@@ -57,24 +57,63 @@ def measure(
     return {"seconds": seconds, "peak_mib": peak - loaded, "loaded_mib": loaded}, result
 
 
-def load(name: str, device: str = "cpu", dtype: str | None = None):
-    """(model, tokenizer): ``probe.load_model(name)`` on ``device`` in ``dtype`` (default: its own)."""
+# the published configs' shapes (config.json of meta-llama/Meta-Llama-3-8B, Qwen/Qwen2.5-7B and
+# Qwen/Qwen2.5-0.5B, the shape of the bundled Qwen2.5-Coder-0.5B): timing and memory at a size the real
+# weights cannot travel to (a GPU machine without the model hub); nothing is downloaded
+RANDOM_CONFIGS = {
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+        max_position_embeddings=131072, rms_norm_eps=1e-5,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
+        max_position_embeddings=131072, rms_norm_eps=1e-6,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+
+def load(name: str, device: str = "cpu", dtype: str | None = None, tokenizer: str | None = None):
+    """(model, tokenizer): ``probe.load_model(name)`` on ``device`` in ``dtype`` (default: its own), or,
+    for a name of :data:`RANDOM_CONFIGS`, a random-weight model of that shape (bf16 unless ``dtype``;
+    speed and memory do not depend on the weights; seeded, the same in every process) with the
+    tokenizer of the folder ``tokenizer`` (any whose ids fit the vocabulary; ``None`` without one)."""
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import probe
 
-    return probe.load_model(name, dtype=getattr(torch, dtype) if dtype else None, device=device)
+    if name not in RANDOM_CONFIGS:
+        return probe.load_model(name, dtype=getattr(torch, dtype) if dtype else None, device=device)
+    shape = dict(RANDOM_CONFIGS[name])
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+    torch.manual_seed(0)  # the same weights in every child process: their checksums compare
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, dtype or "bfloat16"), attn_implementation="sdpa"
+        )
+    return model.eval(), AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--device`` (default cpu) and ``--dtype`` (default: the model's own)."""
+    """``--device`` (default cpu), ``--dtype`` (default: the model's own) and ``--tokenizer``."""
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, cuda:1, ...)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--tokenizer", default=None, help="a random-shape model's tokenizer folder (harness.RANDOM_CONFIGS)"
+    )
 
 
 def device_arguments(args: argparse.Namespace) -> list[str]:
-    """``--device`` / ``--dtype`` as a child process is given them."""
-    return ["--device", args.device, *(["--dtype", args.dtype] if args.dtype else [])]
+    """``--device`` / ``--dtype`` / ``--tokenizer`` as a child process is given them."""
+    given = {"--dtype": args.dtype, "--tokenizer": args.tokenizer}
+    return ["--device", args.device, *[text for pair in given.items() if pair[1] for text in pair]]
 
 
 def run_children(script: str, args: list[str], jobs: Iterable[tuple[str, int]]) -> pd.DataFrame:

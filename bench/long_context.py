@@ -32,7 +32,7 @@ import functools
 import json
 
 import pandas as pd
-from harness import add_ratios, bench_parser, device_arguments, measure, report, run_children
+from harness import add_ratios, bench_parser, device_arguments, load, measure, report, run_children
 
 METHODS = (
     "forward",
@@ -61,39 +61,6 @@ GPU_JOBS = {
     ]
     for name in ("llama-3-8b", "qwen2.5-7b")
 }
-# the published configs' shapes (config.json of meta-llama/Meta-Llama-3-8B and Qwen/Qwen2.5-7B)
-RANDOM_CONFIGS = {
-    "llama-3-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
-        max_position_embeddings=131072, rms_norm_eps=1e-5,
-    ),
-    "qwen2.5-7b": dict(
-        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
-        max_position_embeddings=131072, rms_norm_eps=1e-6,
-    ),
-}  # fmt: skip
-
-
-def _load(model_name: str, device: str, dtype: str | None, tokenizer_folder: str | None):
-    """(model, tokenizer): a real model, or a random one with published shapes (bf16 unless ``dtype``)
-    on ``device``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    import probe
-
-    if model_name not in RANDOM_CONFIGS:
-        return probe.load_model(model_name, dtype=getattr(torch, dtype) if dtype else None, device=device)
-    shape = dict(RANDOM_CONFIGS[model_name])
-    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=getattr(torch, dtype or "bfloat16"), attn_implementation="sdpa"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder) if tokenizer_folder else None
-    return model.eval(), tokenizer
 
 
 def _ids(tokenizer, length: int, vocab: int):
@@ -124,7 +91,7 @@ def _run_child(
     from probe.target import target_loss
 
     torch.set_num_threads(2)
-    model, tokenizer = _load(model_name, device, dtype, tokenizer_folder)
+    model, tokenizer = load(model_name, device, dtype, tokenizer_folder)
     ids = _ids(tokenizer, length, model.config.vocab_size).to(device)
     targets = torch.arange(length - n_targets, length, device=device)
 
@@ -175,7 +142,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = bench_parser(__doc__, METHODS, [])
     parser.add_argument("--models", nargs="+", default=None, help="default: the issue's set for --device")
     parser.add_argument("--targets", type=int, default=16, help="loss on the last N tokens")
-    parser.add_argument("--tokenizer", default=None, help="GPU: a tokenizer folder for the LongPPL rows")
     args = parser.parse_args(argv)
     if args.child:
         child = functools.partial(
@@ -199,7 +165,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         if args.tokenizer is None:
             jobs = [(method, length) for method, length in jobs if not method.startswith("longppl")]
         forwarded = ["--model", model, *device_arguments(args), "--targets", str(args.targets)]
-        forwarded += ["--tokenizer", args.tokenizer] if args.tokenizer else []
         table = run_children(__file__, forwarded, jobs)
         table = add_ratios(table, "forward")
         if "forward_backward" in set(table.method):  # GPU: the issue's baseline for the probe

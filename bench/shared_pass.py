@@ -45,7 +45,7 @@ def shared(model, tokenizer, sample: tasks.Sample) -> tuple[float, torch.Tensor]
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = samples_parser(__doc__).parse_args(argv)
     torch.set_num_threads(1)
-    model, tokenizer = load(args.model, args.device, args.dtype)
+    model, tokenizer = load(args.model, args.device, args.dtype, args.tokenizer)
     shared(model, tokenizer, tasks.make(args.tasks[0], tokenizer, 256, seed=0))  # warm-up
     rows = []
     for task in args.tasks:
