@@ -87,6 +87,7 @@ def compare_samples(
     pages: Path | None = None,
     ks: Sequence[int] = faithfulness.KS,
     ceiling_masks: int = 0,
+    ablations: list[pd.DataFrame] | None = None,
 ) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
     """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on ``samples``.
 
@@ -97,7 +98,9 @@ def compare_samples(
     ``seconds`` (the shared pass's time for the detectors read off it) and ``passes`` (forward or
     forward+backward passes: 1 for a one-pass detector, 0 for a model-free one, the ablation
     detectors' own count). ``pages``: write each detector's token view of the first sample there
-    (``{pages}_{name}.html``).
+    (``{pages}_{name}.html``). ``ablations``: a list that each sample's masked passes are appended to
+    (:meth:`probe.faithfulness.Ablations.to_frame` with ``task`` and ``seed``), so that a later judge
+    of other scores on the same samples (``bench/peers/compare.py``) need not run them again.
     """
     rows, layers, faithful = [], [], []
     found_all = detectors.detect_many(names, model, tokenizer, samples, options)
@@ -126,9 +129,13 @@ def compare_samples(
                 layers.append(
                     layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
                 )
+        passes = [] if ablations is not None else None
         judged = judge_faithfulness(
-            model, sample, found, source_reduce, n_masks, seed, batch_size, ks, ceiling_masks
+            model, sample, found, source_reduce, n_masks, seed, batch_size, ks, ceiling_masks, passes
         )
+        if passes:
+            frames = [one.to_frame(sample) for one in passes]
+            ablations.append(pd.concat(frames, ignore_index=True).assign(task=sample.task, seed=sample.seed))
         judged["seconds"] = judged.scorer.map({name: detection.seconds for name, detection in found.items()})
         faithful.append(judged.assign(**about))
     return rows, layers, pd.concat(faithful, ignore_index=True)
@@ -144,20 +151,24 @@ def judge_faithfulness(
     batch_size: int = 1,
     ks: Sequence[int] = faithfulness.KS,
     ceiling_masks: int = 0,
+    record: list[faithfulness.Ablations] | None = None,
 ) -> pd.DataFrame:
     """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
     ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``),
     ``ablation`` (compaction or key masking). The masks an ablation detector already ran for the same
-    target (the default) are not run again."""
+    target (the default) are not run again. ``record``: a list that every pass of the judgement is
+    appended to, the ablation detectors' and those run here."""
     scorers = source_scorers(found, sample, source_reduce)
     known = [
         ablations
         for detection in found.values()
         if "target" not in detection.settings and (ablations := faithfulness.Ablations.of(detection))
     ]
+    if record is not None:
+        record.extend(known)
     faithful = faithfulness.evaluate(
         model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size, known=known,
-        ceiling_masks=ceiling_masks,
+        ceiling_masks=ceiling_masks, record=record,
     )  # fmt: skip
     faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
     return faithful.assign(source_reduce=source_reduce, n_masks=n_masks, ablation=faithful.attrs["ablation"])

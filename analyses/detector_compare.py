@@ -21,6 +21,9 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
   answers (CDT Fig. 3);
 - ``detector_{tag}_scores``: AUROC, precision, recall and fact hit rate per detector;
 - ``detector_{tag}_metrics.csv``: every plausibility metric per detector and sample;
+- ``detector_{tag}_ablations.csv.gz``: every masked pass of the faithfulness judgement (one row per
+  sample and mask: :meth:`probe.faithfulness.Ablations.to_frame`), so that other scores are judged
+  on these samples without running them again (``bench/peers/compare.py --ablations``);
 - ``detector_{tag}_faithfulness``: deletion curves (log-prob drop of the gold answer vs the number
   of top sources removed) per detector, references dashed, correct vs wrong answers; the CSV has
   every faithfulness metric per sample and scorer;
@@ -385,6 +388,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     def run(job: tuple) -> dict[str, pd.DataFrame]:
         """One batch of samples (``job`` = task, seed, task, seed, ...): its three tables."""
         pairs = zip(job[::2], job[1::2], strict=True)
+        ablations = []
         chunk = [
             tasks.make(task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options))
             for task, seed in pairs
@@ -404,9 +408,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             pages=out / f"detector_{tag}_view" if job == jobs[0] else None,
             ks=args.ks,
             ceiling_masks=args.ceiling_masks,
+            ablations=ablations,
         )
         layers = pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
-        return {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
+        tables = {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
+        return tables | ({"ablations": pd.concat(ablations, ignore_index=True)} if ablations else {})
 
     parts = out / f".detector_{tag}_parts"
     settings = {key: value for key, value in vars(args).items() if key not in ("resume", "out", "device")}
@@ -421,6 +427,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     faithful = found["faithfulness"].assign(**settings)
     layers = [found["layers"]] if not found["layers"].empty else []
     atomic_write(out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
+    if "ablations" in found:  # every masked pass, for judging other scores on these samples later
+        passes = found["ablations"].assign(**settings)
+        atomic_write(
+            out / f"detector_{tag}_ablations.csv.gz",
+            lambda tmp: passes.to_csv(tmp, index=False, compression="gzip"),
+        )
     about = caption(args, table.drop_duplicates(["task", "seed"]).shape[0], "leave_one_out" in names)
     fig, shares = plot_categories(table)
     save_figure(captioned(fig, about), shares, out, f"detector_{tag}_categories")

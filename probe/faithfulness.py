@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -69,6 +70,45 @@ class Ablations(NamedTuple):
         if "ablated" not in details:
             return None
         return cls(details["ablated"], AnswerScores(details["ablated_logprob"], details["ablated_correct"]))
+
+    def to_frame(self, sample: Sample) -> pd.DataFrame:
+        """One row per mask, to save beside a study: ``sample`` (a digest of the sample's tokens and
+        sources, :func:`sample_digest`), ``removed`` (a string of ``0``/``1``, one per source),
+        ``logprob``, ``correct``."""
+        removed = ["".join("1" if r else "0" for r in mask.tolist()) for mask in self.removed]
+        logprob, correct = self.scores
+        return pd.DataFrame(
+            {
+                "sample": sample_digest(sample),
+                "removed": removed,
+                "logprob": logprob.tolist(),
+                "correct": correct.tolist(),
+            }
+        )
+
+    @classmethod
+    def from_frame(cls, frame: pd.DataFrame, sample: Sample) -> Ablations:
+        """The rows of a :meth:`to_frame` table (of any number of samples) run on ``sample``; none when
+        the table holds no pass of it. Pass them as ``known`` to :func:`evaluate` with the model they
+        were run with."""
+        rows = frame[frame["sample"] == sample_digest(sample)]
+        n_sources = len(sample.sources)
+        removed = torch.tensor([[bit == "1" for bit in mask] for mask in rows.removed], dtype=torch.bool)
+        return cls(
+            removed.reshape(len(rows), n_sources),
+            AnswerScores(
+                torch.tensor(rows.logprob.to_numpy(), dtype=torch.float),
+                torch.tensor(rows.correct.to_numpy(bool)),
+            ),
+        )
+
+
+def sample_digest(sample: Sample) -> str:
+    """A short hash of a sample's token ids, source spans and target: equal only for the same sample."""
+    digest = hashlib.sha1(sample.input_ids.numpy().astype(np.int64).tobytes())
+    digest.update(repr([(s.start, s.end) for s in sample.sources]).encode())
+    digest.update(sample.target_positions.numpy().astype(np.int64).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def source_scores(
@@ -265,10 +305,13 @@ def lds(scores: torch.Tensor, kept: torch.Tensor, actual: torch.Tensor) -> float
 
 
 def _known_or_run(
-    removed: torch.Tensor, known: Sequence[Ablations], run: Callable[[torch.Tensor], AnswerScores]
+    removed: torch.Tensor,
+    known: Sequence[Ablations],
+    run: Callable[[torch.Tensor], AnswerScores],
+    record: list[Ablations] | None,
 ) -> AnswerScores:
     """The answer scores of each mask of ``removed`` (BoolTensor[masks, sources]): from ``known`` where
-    it holds the mask, else from ``run`` over the rest."""
+    it holds the mask, else from ``run`` over the rest (appended to ``record`` unless it is None)."""
     found = {}
     for ablations in known:
         if ablations.removed.shape[1:] != removed.shape[1:]:
@@ -282,6 +325,8 @@ def _known_or_run(
     todo = [i for i, key in enumerate(keys) if key not in found]
     if todo:
         ran = run(removed[todo])
+        if record is not None:
+            record.append(Ablations(removed[todo], ran))
         found |= {keys[i]: pair for i, pair in zip(todo, zip(*ran, strict=True), strict=True)}
     logprob, correct = zip(*(found[key] for key in keys), strict=True)
     return AnswerScores(torch.stack(logprob).float(), torch.stack(correct))
@@ -327,6 +372,7 @@ def evaluate(
     target: Target | None = None,
     known: Sequence[Ablations] = (),
     ceiling_masks: int = 0,
+    record: list[Ablations] | None = None,
 ) -> pd.DataFrame:
     """Faithfulness of several source scorings of one sample, one row per scorer.
 
@@ -335,7 +381,8 @@ def evaluate(
     masks (each source kept with probability ``keep``, seeded) for LDS. Identical masks run once, as
     :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``, ``target``); masks
     in ``known`` (passes already run with the same model, ablation and target, e.g. a ``leave_one_out``
-    detection's, :meth:`Ablations.of`) are not run again.
+    detection's, :meth:`Ablations.of`, or a saved study's, :meth:`Ablations.from_frame`) are not run
+    again; the passes that do run are appended to ``record`` (a list) when one is given.
 
     ``ceiling_masks`` > 0 adds the reference scorer ``additive_ceiling``: :func:`additive_ceiling` fit
     on that many further random masks (seeded apart; none of them an LDS mask), judged like every
@@ -368,7 +415,7 @@ def evaluate(
     if ceiling_masks:
         fit = random_masks(n_sources, ceiling_masks, keep, seed + CEILING_SEED)
         fit = fit[~(fit[:, None] == kept_random[None]).all(-1).any(-1)]  # never an LDS mask
-        ceiling = additive_ceiling(fit, _known_or_run(~fit, known, run).logprob)
+        ceiling = additive_ceiling(fit, _known_or_run(~fit, known, run, record).logprob)
         scores = {**scores, "additive_ceiling": ceiling}
     masks = {"full": torch.zeros(1, n_sources, dtype=torch.bool), "random": ~kept_random}
     for name, score in scores.items():
@@ -387,7 +434,7 @@ def evaluate(
         masks[f"{name}/removed"] = top
         masks[f"{name}/kept"] = ~top
     unique, where = torch.cat(list(masks.values())).unique(dim=0, return_inverse=True)
-    results = _known_or_run(unique, known, run)
+    results = _known_or_run(unique, known, run, record)
     bounds = np.cumsum([0] + [len(m) for m in masks.values()])
     lookup = {
         key: AnswerScores(results.logprob[where[a:b]], results.correct[where[a:b]])

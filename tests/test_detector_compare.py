@@ -220,3 +220,23 @@ def test_the_held_out_settings_run_end_to_end_with_the_ceiling(tiny_model_folder
         assert top.lds_share.drop("additive_ceiling").tolist() == pytest.approx(
             (top.lds / top.lds["additive_ceiling"]).drop("additive_ceiling").tolist(), nan_ok=True
         )
+    # every masked pass is saved, to judge other scores on these samples later without running them
+    passes = pd.read_csv(
+        tmp_path / f"detector_{tiny_model_folder.name}-256_ablations.csv.gz", dtype={"removed": str}
+    )
+    assert set(passes.columns) >= {
+        "sample",
+        "removed",
+        "logprob",
+        "correct",
+        "task",
+        "seed",
+        "model",
+        "length",
+    }
+    for (task, seed), rows in passes.groupby(["task", "seed"]):
+        judged = faithful[(faithful.task == task) & (faithful.seed == seed)]
+        assert rows["sample"].nunique() == 1 and not rows.duplicated("removed").any()
+        assert len(rows) >= 8 + 24 and rows.removed.str.len().eq(judged.n_sources.iloc[0]).all()
+        full = rows[~rows.removed.str.contains("1")]
+        assert full.logprob.item() == pytest.approx(judged.full_logprob.iloc[0], abs=1e-6)

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 
+import pandas as pd
 import pytest
 import torch
 from reference import masked_eager_forward
@@ -257,6 +258,38 @@ def test_evaluate_takes_the_masks_leave_one_out_ran_instead_of_running_them_agai
     with pytest.raises(ValueError, match="sources"):
         wrong = faithfulness.Ablations(known.removed[:, :-1], known.scores)
         faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=4, known=[wrong])
+
+
+def test_recorded_passes_saved_as_a_table_judge_other_scores_without_running_again(
+    model, sample, tokenizer, monkeypatch
+):
+    """``record`` collects every pass an evaluation runs; saved (``to_frame``) and read back for the
+    same sample (``from_frame``), they judge other scores with only those scores' own top-k masks
+    run, and the numbers equal a fresh evaluation's. Another sample finds none of them."""
+    first = {"truth": faithfulness.ground_truth_scores(sample)}
+    record = []
+    plain = faithfulness.evaluate(model, sample, first, ks=[1, 2], n_masks=6, ceiling_masks=8, record=record)
+    table = pd.concat([one.to_frame(sample) for one in record])
+    assert table.removed.str.len().eq(len(sample.sources)).all() and not table.duplicated("removed").any()
+    known = faithfulness.Ablations.from_frame(table, sample)
+    ran = []
+    real = faithfulness.answer_scores
+    monkeypatch.setattr(
+        faithfulness, "answer_scores", lambda m, s, mask, **kw: ran.append(mask) or real(m, s, mask, **kw)
+    )
+    again = faithfulness.evaluate(model, sample, first, ks=[1, 2], n_masks=6, ceiling_masks=8, known=[known])
+    numbers = plain.select_dtypes("number").columns
+    assert ran == [] and (again[numbers] - plain[numbers]).abs().max().max() <= ATOL
+    other = {"other": torch.linspace(1, 0, len(sample.sources))}
+    reused = faithfulness.evaluate(model, sample, other, ks=[1, 2], n_masks=6, known=[known])
+    monkeypatch.setattr(faithfulness, "answer_scores", real)
+    fresh = faithfulness.evaluate(model, sample, other, ks=[1, 2], n_masks=6)
+    columns = fresh.select_dtypes("number").columns
+    assert (reused[columns] - fresh[columns]).abs().max().max() <= ATOL
+    (mine,) = ran
+    assert not (mine[:, None] == known.removed[None]).all(-1).any(1).any()  # only masks not saved ran
+    another = tasks.make("multihop-2", tokenizer, 300, seed=sample.seed + 1)
+    assert len(faithfulness.Ablations.from_frame(table, another).removed) == 0
 
 
 def test_nan_scores_empty_ks_and_too_few_masks_are_refused(model, sample):

@@ -10,7 +10,9 @@ methods); our detectors score them here; then :func:`exchange.judge` judges ever
 sample (LDS on the same masks, comprehensiveness, sufficiency, the additive ceiling), and one forward
 pass of each sample is timed to turn seconds into forward-pass equivalents. Resumable: a peer's
 scores, our scores and each judged sample are files in ``--out``, kept when the run is started again
-with the same settings (``settings.json``; other settings are refused).
+with the same settings (``settings.json``; other settings are refused). ``--ablations``: the
+held-out study's saved passes of these samples (``figures/studies/detector_MODEL-1024_*/``): the LDS
+masks, the additive ceiling's and every top-k mask it ran are read, not run again.
 
 Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
 per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
@@ -46,7 +48,7 @@ import exchange  # noqa: E402
 from export_samples import HELDOUT_TASKS, heldout_samples  # noqa: E402
 
 import probe  # noqa: E402
-from probe import stats  # noqa: E402
+from probe import faithfulness, stats  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
 from probe.results import atomic_write  # noqa: E402
 
@@ -166,6 +168,18 @@ def plot(found: pd.DataFrame, title: str) -> plt.Figure:
     return fig
 
 
+def study_ablations(path: Path, model: str, length: int) -> pd.DataFrame:
+    """A study's saved masked passes (``analyses.detector_compare``'s ``*_ablations.csv.gz``), refused
+    unless run with this model at this length; each sample takes only its own (by digest)."""
+    saved = pd.read_csv(path, dtype={"removed": str})
+    if set(saved.model) != {model} or set(saved.length) != {length}:
+        raise SystemExit(
+            f"{path} holds passes of {sorted(set(saved.model))} at {sorted(set(saved.length))} tokens, "
+            f"not of {model} at {length}: pass that study's file or none"
+        )
+    return saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -179,13 +193,18 @@ def main() -> None:
     parser.add_argument("--ceiling-masks", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--ablations", type=Path, default=None,
+        help="a held-out study's detector_*_ablations.csv.gz: its masked passes are not run again",
+    )  # fmt: skip
     args = parser.parse_args()
     unknown = [spec for spec in args.peers if spec.partition(":")[0] not in PACKAGES]
     if unknown:
         parser.error(f"unknown peers {unknown}; peers: {', '.join(PACKAGES)}")
     torch.set_num_threads(args.threads)
     out = args.out or ROOT / "bench" / "results" / "peers" / f"{args.model}-{args.length}"
-    settings = {k: v for k, v in vars(args).items() if k not in ("peers", "ours", "threads", "out")}
+    ignored = ("peers", "ours", "threads", "out", "ablations")  # none of them changes a number
+    settings = {k: v for k, v in vars(args).items() if k not in ignored}
     (out / "scores").mkdir(parents=True, exist_ok=True)
     (out / "judged").mkdir(exist_ok=True)
     recorded = out / "settings.json"
@@ -211,13 +230,16 @@ def main() -> None:
         for name, (path, _) in files.items()
         for key, error in exchange.failures(path).items()
     ]
+    saved = study_ablations(args.ablations, args.model, args.length) if args.ablations else None
     judged = []
     for sample in samples:
         part = out / "judged" / f"{exchange.sample_key(sample)}.csv"
         if not part.exists():
+            known = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
             frame = exchange.judge(
-                model, [sample], methods, args.ceiling_masks, n_masks=args.masks, seed=args.seed, ks=KS
-            )
+                model, [sample], methods, args.ceiling_masks, n_masks=args.masks, seed=args.seed, ks=KS,
+                known=known,
+            )  # fmt: skip
             frame["forwards"] = frame.seconds / forward_seconds(model, sample)
             atomic_write(part, lambda tmp, frame=frame: frame.to_csv(tmp, index=False))
         judged.append(pd.read_csv(part))
