@@ -10,8 +10,8 @@ from contextlib import nullcontext
 import torch
 
 from probe.checks import check_input_ids, check_int, check_positions, check_token_flags, hf_model
+from probe.compaction import check_before_answer, compacted, compaction_supported
 from probe.errors import InvalidValueError
-from probe.faithfulness import check_before_answer, compacted, compaction_supported
 from probe.modifiers import bias_keys, mask_keys
 from probe.planner import guarded
 from probe.shared_state import frozen_parameters

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import probe
-from probe import faithfulness
+from probe import compaction, faithfulness
 from probe.models import converted_folder
 from probe.tasks import Sample
 
@@ -153,7 +153,7 @@ def test_removing_a_source_removes_exactly_its_tokens(name, seed, data):
     sources = sample.sources
     removed = torch.tensor(data.draw(st.lists(st.booleans(), min_size=len(sources), max_size=len(sources))))
     expected = removed_tokens(sample, removed.tolist())
-    assert faithfulness.removed_positions(sources, removed).tolist() == expected
+    assert compaction.removed_positions(sources, removed).tolist() == expected
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from test_retrieval import copying_model
 from transformers import AutoTokenizer
 
 import probe
-from probe import detectors, faithfulness, tasks
+from probe import compaction, detectors, faithfulness, tasks
 from probe.modifiers import original_positions
 from probe.retrieval import needle_answer_positions
 
@@ -61,7 +61,7 @@ def test_answer_scores_match_eager_with_explicit_masks_and_reuse_is_exact(model,
     assert (reused.logprob - uncached.logprob).abs().max() <= ATOL
     assert torch.equal(reused.correct, uncached.correct)
     for mask, got in zip(removed, reused.logprob, strict=True):
-        hidden = faithfulness.removed_positions(sample.sources, mask).tolist()
+        hidden = compaction.removed_positions(sample.sources, mask).tolist()
         assert abs(eager_answer_logprob(model, sample, hidden) - float(got)) <= ATOL
     assert len(reused.logprob.unique()) == len(removed)  # the masks change the answer's log-prob
     for batch_size in (2, 5):
@@ -325,7 +325,7 @@ def test_compaction_equals_key_masking_and_explicit_eager_masks(model, sample, r
     compact = faithfulness.answer_scores(model, sample, removed, reuse_prefix, batch_size, compact=True)
     assert (compact.logprob - masked.logprob).abs().max() <= COMPACT_ATOL
     assert torch.equal(compact.correct, masked.correct)
-    hidden = faithfulness.removed_positions(sample.sources, removed[0]).tolist()
+    hidden = compaction.removed_positions(sample.sources, removed[0]).tolist()
     assert abs(eager_answer_logprob(model, sample, hidden) - float(compact.logprob[0])) <= COMPACT_ATOL
     assert compact.logprob.unique().numel() == len(removed)  # every mask changes the answer
 
@@ -335,7 +335,7 @@ def test_windows_count_positions_not_kept_tokens(tokenizer, sample):
     model = probe.tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=1024)
     removed = compaction_masks(len(sample.sources))[:1]
     expected = faithfulness.answer_scores(model, sample, removed, compact=False).logprob
-    hidden = faithfulness.removed_positions(sample.sources, removed[0])
+    hidden = compaction.removed_positions(sample.sources, removed[0])
     kept = torch.ones(len(sample.input_ids), dtype=torch.bool)
     kept[hidden] = False
     positions = kept.nonzero()[:, 0]
@@ -368,7 +368,7 @@ def test_compaction_under_nested_modifiers(model, sample):
 
 
 def test_compaction_is_the_default_where_positions_come_from_position_ids(model, sample):
-    assert faithfulness.compaction_supported(model)
+    assert compaction.compaction_supported(model)
     frame = faithfulness.evaluate(
         model, sample, {"truth": faithfulness.ground_truth_scores(sample)}, n_masks=4
     )

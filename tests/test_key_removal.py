@@ -6,7 +6,7 @@ import torch
 from reference import explicit_masks
 
 import probe
-from probe import detectors, faithfulness, key_removal
+from probe import compaction, detectors, faithfulness, key_removal
 from probe.checks import cache_keyword
 from probe.key_removal import key_removal_gradient, removal_units
 from probe.modifiers import bias_keys, mask_keys
@@ -199,7 +199,7 @@ def test_key_removal_banzhaf_averages_the_gradient_over_complementary_half_conte
     for half in faithfulness.random_masks(len(spans), 2, seed=5):
         for side in (half, ~half):
             hidden = torch.zeros(1, len(ids), dtype=torch.bool)
-            hidden[0, faithfulness.removed_positions(sample.sources, ~side)] = True
+            hidden[0, compaction.removed_positions(sample.sources, ~side)] = True
             with mask_keys(model, hidden):
                 total += key_removal_gradient(model, ids, targets, sources=spans)
             count += ~hidden[0]

@@ -16,9 +16,10 @@ import torch
 from probe.at2 import HeadWeights, token_features
 from probe.attribution import AnswerAttribution, critical_tokens
 from probe.checks import check_int, check_layers, hf_model, input_device
+from probe.compaction import removed_positions
 from probe.detectors.registry import Detection, SharedPass, register, top_k_mask
 from probe.errors import InvalidValueError
-from probe.faithfulness import random_masks, removed_positions
+from probe.faithfulness import random_masks
 from probe.key_removal import key_removal_gradient
 from probe.lrp import relevance
 from probe.planner import guarded
