@@ -1,5 +1,6 @@
 """The peers' exchange (bench/peers/exchange.py) round trip through a fake peer in another process."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,47 @@ def test_a_runner_finds_longprobes_tokens_answer_and_sources_with_its_own_tokeni
     assert peer_io.source_of_token(offsets, exported["text"], exported["sources"]) == owners
     lengths = [source.end - source.start for source in sample.sources]
     assert peer_io.sum_by_source([1.0] * len(ids), offsets, exported) == lengths
+
+
+def test_a_killed_run_resumes_where_it_stopped_and_writes_its_answers_once(tmp_path):
+    """``peer_io.resumable``: finished lines survive a kill (a cut-off last line is run again), no job
+    runs twice, and the answers file appears only when every job has its line."""
+    import peer_io
+
+    out, ran = tmp_path / "scores.jsonl", []
+
+    def job(key: str, kill: bool = False):
+        def make() -> dict:
+            if kill:
+                raise KeyboardInterrupt  # the run is killed while this job runs
+            ran.append(key)
+            return {"key": key, "scores": [1.0], "seconds": 0.0}
+
+        return key, make
+
+    with pytest.raises(KeyboardInterrupt):
+        peer_io.resumable(out, [job("a"), job("b"), job("c", kill=True)])
+    assert not out.exists() and ran == ["a", "b"]
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(partial.read_text() + '{"key": "c", "sco')  # a line cut off by the kill
+    peer_io.resumable(out, [job("a"), job("b"), job("c")])
+    assert ran == ["a", "b", "c"] and not partial.exists()
+    assert [json.loads(line)["key"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
+
+
+def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_are_refused(tmp_path):
+    import compare
+    import pandas as pd
+
+    passes = pd.DataFrame({"sample": ["s1"], "removed": ["0010"], "logprob": [-1.5], "correct": [True]})
+    parts = tmp_path / ".detector_m-1024_parts"
+    parts.mkdir()
+    (parts / "settings.json").write_text(json.dumps({"model": "m", "length": 1024}))
+    pd.to_pickle({"metrics": pd.DataFrame(), "ablations": passes}, parts / "kv__1.pkl")
+    pd.to_pickle({"metrics": pd.DataFrame()}, parts / "kv__0.pkl")  # a part from before passes were kept
+    done = passes.assign(sample="s2", model="m", length=1024)
+    done.to_csv(tmp_path / "detector_m-1024_ablations.csv.gz", index=False, compression="gzip")
+    saved = compare.study_ablations(tmp_path, "m", 1024)
+    assert sorted(saved["sample"]) == ["s1", "s2"] and set(saved.removed) == {"0010"}
+    with pytest.raises(SystemExit, match="not of other at 1024"):
+        compare.study_ablations(tmp_path, "other", 1024)

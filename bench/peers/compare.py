@@ -24,6 +24,7 @@ Spearman correlation of its source scores with our re-implementation's (``spearm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -45,6 +46,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 import exchange  # noqa: E402
+import peer_io  # noqa: E402
 from export_samples import HELDOUT_TASKS, heldout_samples  # noqa: E402
 
 import probe  # noqa: E402
@@ -97,16 +99,17 @@ def run_peer(spec: str, exported: Path, out: Path, threads: int) -> None:
 
 
 def run_ours(model, tokenizer, samples, name: str, out: Path) -> None:
-    """Our detector ``name`` on every sample, written in a peer's answer format (skipped if there)."""
+    """Our detector ``name`` on every sample, written in a peer's answer format (resumable, skipped if
+    there)."""
     if out.exists():
         return
-    lines = []
-    for sample in samples:
+
+    def answer(sample) -> dict:
         detection = probe.detect(name, model, tokenizer, sample)
         scores = detection.source_scores(sample).tolist()
-        lines.append(json.dumps({"key": exchange.sample_key(sample), "scores": scores,
-                                 "seconds": detection.seconds}))  # fmt: skip
-    atomic_write(out, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+        return {"key": exchange.sample_key(sample), "scores": scores, "seconds": detection.seconds}
+
+    peer_io.resumable(out, ((exchange.sample_key(one), functools.partial(answer, one)) for one in samples))
 
 
 def agreement(methods: dict, peers: list[str], ours: list[str]) -> pd.DataFrame:
@@ -169,14 +172,27 @@ def plot(found: pd.DataFrame, title: str) -> plt.Figure:
 
 
 def study_ablations(path: Path, model: str, length: int) -> pd.DataFrame:
-    """A study's saved masked passes (``analyses.detector_compare``'s ``*_ablations.csv.gz``), refused
-    unless run with this model at this length; each sample takes only its own (by digest)."""
-    saved = pd.read_csv(path, dtype={"removed": str})
-    if set(saved.model) != {model} or set(saved.length) != {length}:
+    """A held-out study's saved masked passes: its ``*_ablations.csv.gz`` (``analyses.detector_compare``)
+    or, for ``path`` a study folder, that and the finished parts of a run still going. Refused unless run
+    with this model at this length; each sample takes only its own (by digest)."""
+    files = sorted(path.glob("detector_*_ablations.csv.gz")) if path.is_dir() else [path]
+    frames = [pd.read_csv(file, dtype={"removed": str}) for file in files]
+    for parts in sorted(path.glob(".detector_*_parts")) if path.is_dir() else []:
+        recorded = json.loads((parts / "settings.json").read_text())
+        for part in sorted(parts.glob("*.pkl")):
+            tables = pd.read_pickle(part)
+            if "ablations" in tables:
+                frames.append(tables["ablations"].assign(model=recorded["model"], length=recorded["length"]))
+    columns = ["sample", "removed", "logprob", "correct", "model", "length"]
+    saved = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+    if set(saved.model) - {model} or set(saved.length) - {length}:
         raise SystemExit(
             f"{path} holds passes of {sorted(set(saved.model))} at {sorted(set(saved.length))} tokens, "
             f"not of {model} at {length}: pass that study's file or none"
         )
+    print(
+        f"{len(saved)} saved passes of {saved['sample'].nunique() if len(saved) else 0} samples from {path}"
+    )
     return saved
 
 
@@ -195,7 +211,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--ablations", type=Path, default=None,
-        help="a held-out study's detector_*_ablations.csv.gz: its masked passes are not run again",
+        help="a held-out study's folder or its *_ablations.csv.gz: its masked passes are not run again",
     )  # fmt: skip
     args = parser.parse_args()
     unknown = [spec for spec in args.peers if spec.partition(":")[0] not in PACKAGES]

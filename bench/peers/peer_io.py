@@ -10,11 +10,12 @@ cannot score gets ``{"key", "error": "..."}`` instead, so the table can say why.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
@@ -38,21 +39,43 @@ def samples(path: Path) -> Iterator[dict]:
 
 
 def run(path: Path, out: Path, score: Callable[[dict], list[float]]) -> None:
-    """Score every sample of ``path`` with ``score`` and write the answers to ``out`` (atomically)."""
-    lines = []
-    for sample in samples(path):
+    """Score every sample of ``path`` with ``score`` and write the answers to ``out`` (:func:`resumable`)."""
+
+    def answer(sample: dict) -> dict:
         start = time.perf_counter()
         try:
             scores = [float(x) for x in score(sample)]
-            record = {"key": sample["key"], "scores": scores, "seconds": time.perf_counter() - start}
+            return {"key": sample["key"], "scores": scores, "seconds": time.perf_counter() - start}
         except Exception as error:  # a peer's failure is a result: recorded, not hidden
-            record = {"key": sample["key"], "error": f"{type(error).__name__}: {error}",
-                      "trace": traceback.format_exc(limit=4)}  # fmt: skip
-        lines.append(json.dumps(record))
-        print(sample["key"], record.get("seconds", record.get("error")), flush=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(out)
+            return {"key": sample["key"], "error": f"{type(error).__name__}: {error}",
+                    "trace": traceback.format_exc(limit=4)}  # fmt: skip
+
+    resumable(out, ((sample["key"], functools.partial(answer, sample)) for sample in samples(path)))
+
+
+def resumable(out: Path, jobs: Iterable[tuple[str, Callable[[], dict]]]) -> None:
+    """Write ``out``, one JSON line a job (``key``, a function that makes the line), resumably: each
+    finished line is appended to ``out.partial`` at once, a restart skips the keys found there (a line
+    cut off by a kill is dropped and its job runs again), and ``out`` appears by one rename once every
+    job has its line."""
+    partial = out.with_name(out.name + ".partial")
+    done = []
+    for line in partial.read_text().splitlines() if partial.exists() else []:
+        try:
+            done.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the last line, cut off by a kill
+    partial.write_text("".join(json.dumps(record) + "\n" for record in done))
+    finished = {record["key"] for record in done}
+    with partial.open("a") as file:
+        for key, make in jobs:
+            if key in finished:
+                continue
+            record = make()
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+            print(key, record.get("seconds", record.get("error")), flush=True)
+    partial.replace(out)
 
 
 def source_of_token(offsets: list[tuple[int, int]], text: str, sources: list[list[int]]) -> list[int | None]:
