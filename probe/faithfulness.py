@@ -327,6 +327,10 @@ def evaluate(
         )
     if isinstance(ceiling_masks, bool) or int(ceiling_masks) != ceiling_masks or ceiling_masks < 0:
         raise InvalidValueError(f"ceiling_masks must be a non-negative integer, got {ceiling_masks}")
+    if record is not None and not isinstance(record, list):
+        raise InvalidValueError(
+            f"record must be a list (the passes run are appended to it), got {type(record).__name__}"
+        )
     kept_random = random_masks(n_sources, n_masks, keep, seed)
     compact = compaction_supported(model) if compact is None else compact
     run = functools.partial(

@@ -290,6 +290,8 @@ def test_recorded_passes_saved_as_a_table_judge_other_scores_without_running_aga
     assert not (mine[:, None] == known.removed[None]).all(-1).any(1).any()  # only masks not saved ran
     another = tasks.make("multihop-2", tokenizer, 300, seed=sample.seed + 1)
     assert len(faithfulness.Ablations.from_frame(table, another).removed) == 0
+    with pytest.raises(ValueError, match="record must be a list"):
+        faithfulness.evaluate(model, sample, first, record=())
 
 
 def test_nan_scores_empty_ks_and_too_few_masks_are_refused(model, sample):
