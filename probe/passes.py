@@ -239,8 +239,3 @@ def phases(
 def _terms(**values: int) -> dict[str, int]:
     """All term names in a fixed order, 0 where not given."""
     return {name: int(values.get(name, 0)) for name in TERMS}
-
-
-def _terms(**values: int) -> dict[str, int]:
-    """All term names in a fixed order, 0 where not given."""
-    return {name: int(values.get(name, 0)) for name in TERMS}
