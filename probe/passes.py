@@ -1,6 +1,6 @@
-"""What one probe call keeps in memory: each probe's pass declared (:class:`ProbePass`), and the
-memory terms of each phase of that pass (:func:`phases`), which :func:`probe.planner.plan` adds the
-active modifiers' own terms to (:meth:`probe.attention.Modifier.memory`).
+"""What one probe call keeps in memory: each probe declares its pass (:class:`ProbePass`) and the pass
+its memory terms (:meth:`ProbePass.memory`), as each modifier declares its own
+(:meth:`probe.attention.Modifier.memory`); :func:`probe.planner.plan` sums the declarations.
 
 Notation (all per sequence; multiply by ``batch``): ``n`` tokens, ``L`` decoder layers, ``d`` hidden,
 ``m`` intermediate, ``H`` query heads, ``K`` KV heads, ``h`` head dim, ``V`` vocab, ``R`` target rows,
@@ -111,6 +111,119 @@ class ProbePass:
     embeddings: bool = False
     logits_rows: bool = False
 
+    def memory(
+        self,
+        s: Shapes,
+        n: int,
+        rows: int,
+        batch: int,
+        checkpoint: bool,
+        captured: list[int],
+        masked: bool,
+        modified: bool,
+    ) -> dict[str, dict[str, int]]:
+        """Every phase's terms (bytes) for one call of a probe with this pass, as the planner sums them
+        with the active modifiers' own (:meth:`probe.attention.Modifier.memory`); see the module docstring
+        for each formula."""
+        a, d, m = s.act_bytes, s.hidden, s.intermediate
+        own = modified or self.traced
+        path = s.attention_path(own)  # sdpa, longprobe's exact softmax, or the model's eager attention
+        everywhere = masked or batch > 1 or path == "eager"
+        mask_of = [s.masked(layer, n, everywhere) for layer in range(s.layers)]
+        # under longprobe's attention function a sliding layer beyond two windows runs in bands
+        windowed = [own and path == "sdpa" and runs_in_bands(w, n, n) for w in s.windows]
+        # a layer whose sdpa gets a whole [n, n] mask (sdpa turns it into a float copy)
+        sdpa_mask = [path == "sdpa" and mask_of[layer] and not windowed[layer] for layer in range(s.layers)]
+        kinds = {s.windows[layer] is not None for layer in range(s.layers) if mask_of[layer]}
+        if everywhere:
+            kinds = {True, False} if any(w is not None for w in s.windows) else {False}
+        masks = batch * n * n * len(kinds) * (1 + a if path == "eager" else 1)  # eager: + its float copy
+        float_mask = batch * a * n * n
+        score_rows = {"sdpa": 0, "exact": min(EXACT_BLOCK, n), "eager": n}[path]
+        scores = batch * 2 * 4 * s.heads * score_rows * n  # two score-sized tensors of the running layer
+        rope = batch * s.rope_kinds * 2 * n * s.head_dim * a
+        other = rope + batch * n * 4 * (d + 1)  # rotary tables, the final norm's saved input
+        pattern = batch * len(captured) * s.heads * rows * n * 4
+        row_extras = batch * len(captured) * 8 * s.heads * rows * s.head_dim
+        forward_ws = batch * n * a * (3 * m + 3 * d) + scores
+        if not self.backward:  # no backward: one layer's working set, captured rows, the result
+            logits = batch * (rows if self.logits_rows else 1) * s.vocab * (a + 4)
+            run = _terms(
+                layer_workspace=forward_ws,
+                captured_rows=pattern if self.traced else 0,
+                masks=masks,
+                attention_workspace=float_mask if any(sdpa_mask) else 0,
+                logits=logits,
+                other=rope + batch * n * d * a,  # rotary tables and the final hidden states
+            )
+            found = {"forward": run}
+            if self.traced:  # the cache and its stacked copy
+                found["result"] = _terms(captured_rows=2 * pattern)
+            return found
+
+        first_grad = 0 if self.embeddings else captured[0]
+        grad_layers = list(range(first_grad, s.layers))
+        partial = not self.embeddings  # its first grad layer saves only what follows attention
+        differentiated = [layer for layer in grad_layers if not (partial and layer == first_grad)]
+        saved = [
+            s.saved(layer, n, mask_of[layer], layer not in differentiated, path)
+            + (
+                a * (2 * s.windows[layer] + s.heads * s.head_dim)
+                if windowed[layer] and layer in differentiated
+                else 0
+            )
+            for layer in grad_layers
+        ]  # a band layer also keeps each band's mask [window, 2·window] and each band's sdpa output
+        # layers whose sdpa is differentiated (the partial first layer's is not) and gets a full mask
+        masked_grad = sum(sdpa_mask[layer] for layer in differentiated)
+        logits = batch * rows * s.vocab * (12 + (a if a != 4 else 0))
+        embeddings = 2 * batch * n * d * a if self.embeddings else 0
+        heap = _heap_slack(s.device)
+        captured_forward = pattern + row_extras if self.traced else 0
+        first_gradient = pattern // len(captured) if self.traced else 0
+        if checkpoint:  # the layer inputs stay; one layer at a time is recomputed and differentiated
+            inputs = batch * len(grad_layers) * n * d * a
+            loss_activations, backward_activations = inputs, inputs + batch * n * max(saved)
+            workspace = batch * 3 * n * a * m + scores
+            attention_ws = float_mask if any(sdpa_mask[layer] for layer in grad_layers) else 0
+            holes = batch * n * d * a < MMAP_THRESHOLD_MAX  # a hidden state small enough for the heap
+            allocator = heap * holes * CHECKPOINT_HEAP_HOLES * inputs
+        else:  # every layer's saved tensors stay until its backward
+            loss_activations = backward_activations = batch * n * sum(saved)
+            workspace = batch * n * a * (m + d) + scores
+            attention_ws = float_mask * masked_grad
+            allocator = round(heap * PLAIN_HEAP_SLACK * backward_activations)
+        common = {"masks": masks, "embeddings": embeddings // 2, "other": other, "allocator": allocator}
+        found = {
+            # loss and its gradient on the target rows, before any layer's backward
+            "loss": _terms(
+                activations=loss_activations,
+                captured_rows=captured_forward,
+                attention_workspace=float_mask * masked_grad if not checkpoint else 0,
+                logits=logits,
+                **common,
+            ),
+            # the last layer's backward (checkpointed: after its recomputation)
+            "backward": _terms(
+                activations=backward_activations,
+                layer_workspace=workspace,
+                captured_rows=captured_forward + first_gradient,
+                attention_workspace=attention_ws,
+                **common,
+            ),
+        }
+        if checkpoint:  # the checkpointed forward: one layer's working set above the inputs kept so far
+            found["forward"] = _terms(
+                activations=inputs,
+                layer_workspace=forward_ws,
+                captured_rows=captured_forward,
+                attention_workspace=attention_ws,
+                **common,
+            )
+        if self.traced:  # after the backward: rows and gradients, their stacks, A⊙∂A
+            found["result"] = _terms(captured_rows=5 * pattern, embeddings=embeddings)
+        return found
+
 
 #: every probe the planner knows, by the name its functions pass to :func:`probe.planner.guarded`
 PROBE_PASSES = {
@@ -121,119 +234,6 @@ PROBE_PASSES = {
     "forward": ProbePass(backward=False, traced=False, logits_rows=True),
 }
 PROBE_PASSES["embedding_grad_norms"] = PROBE_PASSES["embedding_grads"]
-
-
-def phases(
-    s: Shapes,
-    n: int,
-    probe: ProbePass,
-    rows: int,
-    batch: int,
-    checkpoint: bool,
-    captured: list[int],
-    masked: bool,
-    modified: bool,
-) -> dict[str, dict[str, int]]:
-    """Every phase's terms (bytes) for one call of a probe whose pass ``probe`` declares; see the module
-    docstring for each formula."""
-    a, d, m = s.act_bytes, s.hidden, s.intermediate
-    own = modified or probe.traced
-    path = s.attention_path(own)  # sdpa, longprobe's exact softmax, or the model's eager attention
-    everywhere = masked or batch > 1 or path == "eager"
-    mask_of = [s.masked(layer, n, everywhere) for layer in range(s.layers)]
-    # under longprobe's attention function a sliding layer beyond two windows runs in bands
-    windowed = [own and path == "sdpa" and runs_in_bands(w, n, n) for w in s.windows]
-    # a layer whose sdpa gets a whole [n, n] mask (sdpa turns it into a float copy)
-    sdpa_mask = [path == "sdpa" and mask_of[layer] and not windowed[layer] for layer in range(s.layers)]
-    kinds = {s.windows[layer] is not None for layer in range(s.layers) if mask_of[layer]}
-    if everywhere:
-        kinds = {True, False} if any(w is not None for w in s.windows) else {False}
-    masks = batch * n * n * len(kinds) * (1 + a if path == "eager" else 1)  # eager: + its float copy
-    float_mask = batch * a * n * n
-    score_rows = {"sdpa": 0, "exact": min(EXACT_BLOCK, n), "eager": n}[path]
-    scores = batch * 2 * 4 * s.heads * score_rows * n  # two score-sized tensors of the running layer
-    rope = batch * s.rope_kinds * 2 * n * s.head_dim * a
-    other = rope + batch * n * 4 * (d + 1)  # rotary tables, the final norm's saved input
-    pattern = batch * len(captured) * s.heads * rows * n * 4
-    row_extras = batch * len(captured) * 8 * s.heads * rows * s.head_dim
-    forward_ws = batch * n * a * (3 * m + 3 * d) + scores
-    if not probe.backward:  # no backward: one layer's working set, captured rows, the result
-        logits = batch * (rows if probe.logits_rows else 1) * s.vocab * (a + 4)
-        run = _terms(
-            layer_workspace=forward_ws,
-            captured_rows=pattern if probe.traced else 0,
-            masks=masks,
-            attention_workspace=float_mask if any(sdpa_mask) else 0,
-            logits=logits,
-            other=rope + batch * n * d * a,  # rotary tables and the final hidden states
-        )
-        found = {"forward": run}
-        if probe.traced:  # the cache and its stacked copy
-            found["result"] = _terms(captured_rows=2 * pattern)
-        return found
-
-    first_grad = 0 if probe.embeddings else captured[0]
-    grad_layers = list(range(first_grad, s.layers))
-    partial = not probe.embeddings  # its first grad layer saves only what follows attention
-    differentiated = [layer for layer in grad_layers if not (partial and layer == first_grad)]
-    saved = [
-        s.saved(layer, n, mask_of[layer], layer not in differentiated, path)
-        + (
-            a * (2 * s.windows[layer] + s.heads * s.head_dim)
-            if windowed[layer] and layer in differentiated
-            else 0
-        )
-        for layer in grad_layers
-    ]  # a band layer also keeps each band's mask [window, 2·window] and each band's sdpa output
-    # layers whose sdpa is differentiated (the partial first layer's is not) and gets a full mask
-    masked_grad = sum(sdpa_mask[layer] for layer in differentiated)
-    logits = batch * rows * s.vocab * (12 + (a if a != 4 else 0))
-    embeddings = 2 * batch * n * d * a if probe.embeddings else 0
-    heap = _heap_slack(s.device)
-    captured_forward = pattern + row_extras if probe.traced else 0
-    first_gradient = pattern // len(captured) if probe.traced else 0
-    if checkpoint:  # the layer inputs stay; one layer at a time is recomputed and differentiated
-        inputs = batch * len(grad_layers) * n * d * a
-        loss_activations, backward_activations = inputs, inputs + batch * n * max(saved)
-        workspace = batch * 3 * n * a * m + scores
-        attention_ws = float_mask if any(sdpa_mask[layer] for layer in grad_layers) else 0
-        holes = batch * n * d * a < MMAP_THRESHOLD_MAX  # a hidden state small enough for the heap
-        allocator = heap * holes * CHECKPOINT_HEAP_HOLES * inputs
-    else:  # every layer's saved tensors stay until its backward
-        loss_activations = backward_activations = batch * n * sum(saved)
-        workspace = batch * n * a * (m + d) + scores
-        attention_ws = float_mask * masked_grad
-        allocator = round(heap * PLAIN_HEAP_SLACK * backward_activations)
-    common = {"masks": masks, "embeddings": embeddings // 2, "other": other, "allocator": allocator}
-    found = {
-        # loss and its gradient on the target rows, before any layer's backward
-        "loss": _terms(
-            activations=loss_activations,
-            captured_rows=captured_forward,
-            attention_workspace=float_mask * masked_grad if not checkpoint else 0,
-            logits=logits,
-            **common,
-        ),
-        # the last layer's backward (checkpointed: after its recomputation)
-        "backward": _terms(
-            activations=backward_activations,
-            layer_workspace=workspace,
-            captured_rows=captured_forward + first_gradient,
-            attention_workspace=attention_ws,
-            **common,
-        ),
-    }
-    if checkpoint:  # the checkpointed forward: one layer's working set above the inputs kept so far
-        found["forward"] = _terms(
-            activations=inputs,
-            layer_workspace=forward_ws,
-            captured_rows=captured_forward,
-            attention_workspace=attention_ws,
-            **common,
-        )
-    if probe.traced:  # after the backward: rows and gradients, their stacks, A⊙∂A
-        found["result"] = _terms(captured_rows=5 * pattern, embeddings=embeddings)
-    return found
 
 
 def _terms(**values: int) -> dict[str, int]:

@@ -30,7 +30,7 @@ from probe.checkpointing import checkpointed
 from probe.checks import check_int, input_device
 from probe.errors import InsufficientMemoryError, InvalidValueError, OutOfRangeError
 from probe.memory import available_memory, compact_heap
-from probe.passes import PROBE_PASSES, ProbePass, phases
+from probe.passes import PROBE_PASSES, ProbePass
 from probe.shapes import Shapes
 
 __all__ = [
@@ -151,9 +151,7 @@ def plan(
     shapes = model if isinstance(model, Shapes) else Shapes.of(model)
     captured = _check_layers(layers, shapes.layers)
     masked = any(modifier.masks_every_layer(shapes, modifiers) for modifier in modifiers)
-    found = phases(
-        shapes, seq_len, declared, rows, batch, bool(checkpoint), captured, masked, bool(modifiers)
-    )
+    found = declared.memory(shapes, seq_len, rows, batch, bool(checkpoint), captured, masked, bool(modifiers))
     for modifier in modifiers:
         for term, size in modifier.memory(shapes, seq_len, batch, bool(checkpoint), modifiers).items():
             for terms in found.values():
