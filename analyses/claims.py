@@ -139,13 +139,27 @@ def longppl_beats_ppl(figures: Path) -> Measured:
 
 
 def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
-    """Every detector-comparison study's faithfulness rows under ``figures``, one frame per CSV."""
-    studies = [pd.read_csv(path) for path in sorted(figures.glob("**/detector_*_faithfulness.csv"))]
-    if not studies:
+    """Every detector-comparison study's faithfulness rows under ``figures``, one frame per CSV, each
+    with its ablation reference (:func:`loo_reference`)."""
+    paths = sorted(figures.glob("**/detector_*_faithfulness.csv"))
+    if not paths:
         raise FileNotFoundError(
             f"no detector_*_faithfulness.csv under {figures}: run analyses.detector_compare"
         )
-    return studies
+    return [pd.read_csv(path).assign(loo_reference=loo_reference(path)) for path in paths]
+
+
+def loo_reference(faithfulness_csv: Path) -> str:
+    """How the study's ``leave_one_out`` reference was run, from the metrics CSV beside it:
+    ``exhaustive`` (a pass per source on every sample), ``pruned`` (fewer on some) or ``none``."""
+    metrics = faithfulness_csv.with_name(faithfulness_csv.name.replace("_faithfulness.csv", "_metrics.csv"))
+    rows = pd.read_csv(metrics) if metrics.exists() else pd.DataFrame(columns=["detector"])
+    loo = rows[rows.detector == "leave_one_out"]
+    if loo.empty:
+        return "none"
+    sources = pd.read_csv(faithfulness_csv).groupby(["task", "seed"]).n_sources.first()
+    passes = loo.set_index(["task", "seed"]).passes
+    return "exhaustive" if (passes >= sources.reindex(passes.index)).all() else "pruned"
 
 
 def faithfulness_rows(figures: Path) -> pd.DataFrame:
@@ -185,16 +199,19 @@ def ranking_by_length(figures: Path) -> pd.DataFrame:
     LDS rank within the study (1 = most faithful).
 
     One row per (model, length, scorer): ``n`` samples, ``lds``, ``lds_low``, ``lds_high``,
-    ``aopc``, ``aopc_low``, ``aopc_high``, ``rank``.
+    ``aopc``, ``aopc_low``, ``aopc_high``, ``rank`` and the study's ``loo_reference``.
     """
     rows = faithfulness_rows(figures)
     records = []
-    for (model, length, scorer), group in rows.groupby(["model", "length", "scorer"]):
+    for (model, length, scorer, reference), group in rows.groupby(
+        ["model", "length", "scorer", "loo_reference"]
+    ):
         lds = bootstrap(group.lds, over="samples")
         aopc = bootstrap(group.aopc_comprehensiveness, over="samples")
         records.append(
             dict(model=model, length=length, scorer=scorer, n=lds.n, lds=lds.value, lds_low=lds.low,
-                 lds_high=lds.high, aopc=aopc.value, aopc_low=aopc.low, aopc_high=aopc.high)
+                 lds_high=lds.high, aopc=aopc.value, aopc_low=aopc.low, aopc_high=aopc.high,
+                 loo_reference=reference)
         )  # fmt: skip
     table = pd.DataFrame(records)
     table["rank"] = table.groupby(["model", "length"]).lds.rank(ascending=False, method="min").astype(int)
@@ -203,10 +220,13 @@ def ranking_by_length(figures: Path) -> pd.DataFrame:
 
 def ranking_markdown(table: pd.DataFrame) -> str:
     """One column per study (model at length): each scorer's LDS [95 % CI] and its rank there."""
-    studies = (
-        table[["model", "length", "n"]].drop_duplicates(["model", "length"]).sort_values(["length", "model"])
-    )
-    heads = [f"{row.model} {row.length // 1024}K (n = {row.n})" for row in studies.itertuples()]
+    studies = table[["model", "length", "n", "loo_reference"]].drop_duplicates(["model", "length"])
+    studies = studies.sort_values(["length", "model"])
+    reference = {"none": ""} | {kind: f"; {kind} leave-one-out" for kind in ("exhaustive", "pruned")}
+    heads = [
+        f"{row.model} {row.length // 1024}K (n = {row.n}{reference[row.loo_reference]})"
+        for row in studies.itertuples()
+    ]
     order = table.groupby("scorer").lds.mean().sort_values(ascending=False).index
     lines = ["| scorer | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for scorer in order:

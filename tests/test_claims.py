@@ -106,3 +106,18 @@ def test_detector_rows_and_the_ranking_are_per_length(tmp_path):
     text = results.read_text()
     assert "\nold\n" not in text and "| scorer | m 1K (n = 6) | g 4K (n = 6) |" in text
     assert "#1" in text.split("`information_flow`")[1].split("\n")[0]
+
+
+@pytest.mark.parametrize("passes, expected", [([5, 5], "exhaustive"), ([5, 3], "pruned"), (None, "none")])
+def test_each_study_says_how_its_leave_one_out_reference_ran(tmp_path, passes, expected):
+    """A pass per source on every sample is exhaustive; fewer anywhere is pruned; no leave-one-out rows
+    (or no metrics file) is none."""
+    faithful = tmp_path / "detector_m-1024_faithfulness.csv"
+    pd.DataFrame({"task": ["t", "t"], "seed": [0, 1], "n_sources": [4, 4], "scorer": ["x", "x"]}).to_csv(
+        faithful, index=False
+    )
+    if passes is not None:
+        pd.DataFrame({"detector": "leave_one_out", "task": "t", "seed": [0, 1], "passes": passes}).to_csv(
+            tmp_path / "detector_m-1024_metrics.csv", index=False
+        )
+    assert claims.loo_reference(faithful) == expected
