@@ -7,7 +7,8 @@ embedding only shifts the balance between it and what the layers have added to t
 (RESULTS.md, the held-out study). The hypothesis predicts that the same product taken deeper, on the
 hidden state h_i^ℓ entering layer ℓ (h · ∂ log P/∂h = d log P(c·h_i^ℓ)/dc: token i's whole *contextual*
 state louder), turns from negative to positive agreement with removal as the layers build the
-token's features; a sign or definition error would not depend on the layer.
+token's features; a sign or definition error would not depend on the layer. Beside it, the unsigned
+‖h ⊙ ∂ log P/∂h‖₂ (inseq's ``input_x_gradient``, which ranked sources well in the peers' first check).
 
 Per sample: one forward+backward with every layer's input kept (``output_hidden_states``), each
 source's Σ over its tokens of h·∂ log P/∂h per layer (layer 0 is ``grad_times_input`` itself, checked
@@ -33,10 +34,11 @@ from probe.stats import bootstrap
 from probe.target import target_loss
 
 
-def layer_products(model, sample: tasks.Sample) -> torch.Tensor:
-    """Tensor[layers, seq]: h_i^ℓ · ∂ log P(answer)/∂h_i^ℓ for the input h^ℓ of every decoder layer ℓ
-    (ℓ = 0: the input embeddings as the first layer reads them), read with forward pre-hooks that are
-    removed afterwards."""
+def layer_products(model, sample: tasks.Sample) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signed, norm), each Tensor[layers, seq]: h_i^ℓ · ∂ log P(answer)/∂h_i^ℓ and ‖h_i^ℓ ⊙ ∂ log
+    P/∂h_i^ℓ‖₂ (inseq's input × gradient, unsigned) for the input h^ℓ of every decoder layer ℓ (ℓ = 0:
+    the input embeddings as the first layer reads them), read with forward pre-hooks that are removed
+    afterwards."""
     ids, targets = sample.input_ids[None], sample.target_positions
     inputs = []
 
@@ -54,7 +56,8 @@ def layer_products(model, sample: tasks.Sample) -> torch.Tensor:
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.stack([(state * state.grad)[0].sum(-1).detach() for state in inputs])
+    products = torch.stack([(state * state.grad)[0].detach() for state in inputs])  # [layers, seq, d]
+    return products.sum(-1), products.norm(dim=-1)
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -67,25 +70,28 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for task in args.tasks:
         for seed in args.seeds:
             sample = tasks.make(task, tokenizer, args.length, seed=seed, model=model)
-            products = layer_products(model, sample)
+            signed, norm = layer_products(model, sample)
             detector = probe.detect("grad_times_input", model, tokenizer, sample).scores
-            gap = float((products[0] - detector).abs().max() / detector.abs().max())
+            gap = float((signed[0] - detector).abs().max() / detector.abs().max())
             if gap > 1e-4:
                 raise AssertionError(f"layer 0 is not grad_times_input ({gap:.1e} apart, relative)")
             removal = probe.detect("leave_one_out", model, tokenizer, sample, top_m=None).source_scores(
                 sample
             )
-            for layer, per_token in enumerate(products):
-                per_source = torch.stack([per_token[s.start : s.end].sum() for s in sample.sources])
-                rho = spearmanr(per_source.numpy(), removal.numpy()).statistic
-                rows.append({"task": task, "seed": seed, "layer": layer, "spearman_vs_loo": rho})
-            print(task, seed, [round(r["spearman_vs_loo"], 2) for r in rows[-len(products) :]], flush=True)
+            for kind, values in (("signed", signed), ("norm", norm)):
+                for layer, per_token in enumerate(values):
+                    per_source = torch.stack([per_token[s.start : s.end].sum() for s in sample.sources])
+                    rho = spearmanr(per_source.numpy(), removal.numpy()).statistic
+                    rows.append(
+                        {"task": task, "seed": seed, "product": kind, "layer": layer, "spearman_vs_loo": rho}
+                    )
+            print(task, seed, [round(r["spearman_vs_loo"], 2) for r in rows[-2 * len(signed) :]], flush=True)
     table = pd.DataFrame(rows)
     summary = []
-    for layer, group in table.groupby("layer"):
+    for (kind, layer), group in table.groupby(["product", "layer"]):
         found = bootstrap(group.spearman_vs_loo.to_numpy())
-        summary.append({"layer": layer, "spearman_vs_loo": found.value, "low": found.low, "high": found.high,
-                        "samples": len(group)})  # fmt: skip
+        summary.append({"product": kind, "layer": layer, "spearman_vs_loo": found.value, "low": found.low,
+                        "high": found.high, "samples": len(group)})  # fmt: skip
     print(pd.DataFrame(summary).round(3).to_string(index=False))
     return report(table, args.csv)
 
