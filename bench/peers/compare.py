@@ -201,7 +201,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--tasks", nargs="+", default=list(HELDOUT_TASKS))
     parser.add_argument("--samples", type=int, default=6, help="samples a task (the held-out study: 6)")
-    parser.add_argument("--seed", type=int, default=5000)
+    parser.add_argument(
+        "--seed", type=int, default=5000, help="first sample's seed; seed of the LDS masks (the study's)"
+    )
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--peers", nargs="*", default=PEERS)
     parser.add_argument("--ours", nargs="*", default=OURS, choices=probe.detectors.names())
