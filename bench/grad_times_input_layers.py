@@ -85,7 +85,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                     rows.append(
                         {"task": task, "seed": seed, "product": kind, "layer": layer, "spearman_vs_loo": rho}
                     )
-            print(task, seed, [round(r["spearman_vs_loo"], 2) for r in rows[-2 * len(signed) :]], flush=True)
+            print(
+                task,
+                seed,
+                [round(float(r["spearman_vs_loo"]), 2) for r in rows[-2 * len(signed) :]],
+                flush=True,
+            )
     table = pd.DataFrame(rows)
     summary = []
     for (kind, layer), group in table.groupby(["product", "layer"]):
