@@ -31,7 +31,7 @@ from probe.tasks.noise import sentence_stream
 from probe.tasks.sample import Prompt, Sample, Unit, render
 
 WINDOW = 0.05  # the key token lies within this fraction of ``length`` tokens of position ``length``
-ATTEMPTS = 32  # essay windows searched, one after the other, before giving up (a sample found earlier is unchanged)
+ATTEMPTS = 32  # essay windows searched one after the other (a sample found earlier is unchanged)
 
 
 def key_token(
