@@ -146,18 +146,20 @@ def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
         raise FileNotFoundError(
             f"no detector_*_faithfulness.csv under {figures}: run analyses.detector_compare"
         )
-    return [pd.read_csv(path).assign(loo_reference=loo_reference(path)) for path in paths]
+    studies = [(path, pd.read_csv(path)) for path in paths]
+    return [frame.assign(loo_reference=loo_reference(path, frame)) for path, frame in studies]
 
 
-def loo_reference(faithfulness_csv: Path) -> str:
-    """How the study's ``leave_one_out`` reference was run, from the metrics CSV beside it:
-    ``exhaustive`` (a pass per source on every sample), ``pruned`` (fewer on some) or ``none``."""
+def loo_reference(faithfulness_csv: Path, faithful: pd.DataFrame) -> str:
+    """How the study's ``leave_one_out`` reference was run, from the metrics CSV beside its
+    faithfulness CSV (``faithful``, read from ``faithfulness_csv``): ``exhaustive`` (a pass per source
+    on every sample), ``pruned`` (fewer on some) or ``none``."""
     metrics = faithfulness_csv.with_name(faithfulness_csv.name.replace("_faithfulness.csv", "_metrics.csv"))
     rows = pd.read_csv(metrics) if metrics.exists() else pd.DataFrame(columns=["detector"])
     loo = rows[rows.detector == "leave_one_out"]
     if loo.empty:
         return "none"
-    sources = pd.read_csv(faithfulness_csv).groupby(["task", "seed"]).n_sources.first()
+    sources = faithful.groupby(["task", "seed"]).n_sources.first()
     passes = loo.set_index(["task", "seed"]).passes
     return "exhaustive" if (passes >= sources.reindex(passes.index)).all() else "pruned"
 

@@ -120,4 +120,4 @@ def test_each_study_says_how_its_leave_one_out_reference_ran(tmp_path, passes, e
         pd.DataFrame({"detector": "leave_one_out", "task": "t", "seed": [0, 1], "passes": passes}).to_csv(
             tmp_path / "detector_m-1024_metrics.csv", index=False
         )
-    assert claims.loo_reference(faithful) == expected
+    assert claims.loo_reference(faithful, pd.read_csv(faithful)) == expected
