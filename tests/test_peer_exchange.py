@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,26 @@ def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_
     assert sorted(saved["sample"]) == ["s1", "s2"] and set(saved.removed) == {"0010"}
     with pytest.raises(SystemExit, match="not of other at 1024"):
         compare.study_ablations(tmp_path, "other", 1024)
+
+
+def test_a_runners_seconds_are_cpu_seconds_not_time_it_waited(tmp_path):
+    """``peer_io.run`` times the scoring with the process's CPU clock: a method that waits (another job
+    on the core, a paused run) costs nothing extra, one that computes costs its computing."""
+    import peer_io
+
+    exported = tmp_path / "samples.jsonl"
+    exported.write_text('{"key": "waits", "model": "m"}\n{"key": "computes", "model": "m"}\n')
+    out = tmp_path / "scores.jsonl"
+
+    def score(sample: dict) -> list[float]:
+        start = time.process_time()
+        if sample["key"] == "waits":
+            time.sleep(0.5)
+        while sample["key"] == "computes" and time.process_time() - start < 0.2:
+            pass
+        return [1.0]
+
+    peer_io.run(exported, out, score)
+    seconds = {line["key"]: line["seconds"] for line in map(json.loads, out.read_text().splitlines())}
+    assert seconds["waits"] < 0.1 and 0.2 <= seconds["computes"] < 0.5
+    assert peer_io.model_folders(exported) == {"m"}

@@ -8,7 +8,9 @@ One invocation, one machine, one thread a process (``--threads``): the held-out 
 (``.venv-peers/NAME``, made by ``bench/peers/setup.sh NAME``; ``NAME:METHOD`` for a peer with several
 methods); our detectors score them here; then :func:`exchange.judge` judges every method on every
 sample (LDS on the same masks, comprehensiveness, sufficiency, the additive ceiling), and one forward
-pass of each sample is timed to turn seconds into forward-pass equivalents. Resumable: a peer's
+pass of each sample is timed to turn seconds into forward-pass equivalents. Every cost is CPU seconds
+(``time.process_time`` of the process that scores, one thread a process), not wall-clock time, so
+methods scored hours apart, beside another job or across a pause still compare. Resumable: a peer's
 scores, our scores and each judged sample are files in ``--out``, kept when the run is started again
 with the same settings (``settings.json``; other settings are refused). ``--ablations``: the
 held-out study's saved passes of these samples (``figures/studies/detector_MODEL-1024_*/``): the LDS
@@ -105,9 +107,9 @@ def run_ours(model, tokenizer, samples, name: str, out: Path) -> None:
         return
 
     def answer(sample) -> dict:
-        detection = probe.detect(name, model, tokenizer, sample)
-        scores = detection.source_scores(sample).tolist()
-        return {"key": exchange.sample_key(sample), "scores": scores, "seconds": detection.seconds}
+        start = time.process_time()  # CPU seconds, as the peers' (peer_io.run)
+        scores = probe.detect(name, model, tokenizer, sample).source_scores(sample).tolist()
+        return {"key": exchange.sample_key(sample), "scores": scores, "seconds": time.process_time() - start}
 
     peer_io.resumable(out, ((exchange.sample_key(one), functools.partial(answer, one)) for one in samples))
 
@@ -128,13 +130,13 @@ def agreement(methods: dict, peers: list[str], ours: list[str]) -> pd.DataFrame:
 
 
 def forward_seconds(model, sample) -> float:
-    """One plain forward pass over ``sample`` (the unit of cost), best of two."""
+    """CPU seconds of one plain forward pass over ``sample`` (the unit of cost), best of two."""
     times = []
     with torch.no_grad():
         for _ in range(2):
-            start = time.perf_counter()
+            start = time.process_time()
             model(input_ids=sample.input_ids[None], use_cache=False)
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
     return min(times)
 
 
@@ -222,7 +224,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = args.out or ROOT / "bench" / "results" / "peers" / f"{args.model}-{args.length}"
     ignored = ("peers", "ours", "threads", "out", "ablations")  # none of them changes a number
-    settings = {k: v for k, v in vars(args).items() if k not in ignored}
+    settings = {k: v for k, v in vars(args).items() if k not in ignored} | {"clock": "process_time"}
     (out / "scores").mkdir(parents=True, exist_ok=True)
     (out / "judged").mkdir(exist_ok=True)
     recorded = out / "settings.json"

@@ -6,12 +6,12 @@ included), the ``prompt`` (the text before the answer), the ``answer`` (the rest
 teacher-forced continuation, its leading space included), the character range of every source in
 ``text`` (``sources``: ``[[start, end], ...]``, in order), the ``model`` folder, and the token ids the
 model reads (``input_ids``, special tokens such as a BOS included; ``prompt_tokens`` of them are the
-prompt's), so a peer that takes ids needs no tokenizer guesswork. A peer's
-runner writes one JSON line per sample back: the ``key``, ``scores`` (one number per source, in
-order) and the ``seconds`` it spent, or the ``error`` that stopped it on that sample (a failure is a
-result: :func:`failures` reads them). :func:`read_scores` checks the scores; :func:`judge` judges every
-method with the same exact ablation as longprobe's own detectors (:func:`probe.faithfulness.evaluate`,
-with the additive ceiling).
+prompt's), so a peer that takes ids needs no tokenizer guesswork. A peer's runner writes one JSON line
+per sample back: the ``key``, ``scores`` (one number per source, in order) and the ``seconds`` it spent
+(CPU seconds of its process, ``time.process_time``), or the ``error`` that stopped it on that sample (a
+failure is a result: :func:`failures` reads them). :func:`read_scores` checks the scores; :func:`judge`
+judges every method with the same exact ablation as longprobe's own detectors
+(:func:`probe.faithfulness.evaluate`, with the additive ceiling).
 """
 
 from __future__ import annotations

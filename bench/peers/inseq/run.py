@@ -80,7 +80,7 @@ def main() -> None:
     """Score every exported sample with ``--method`` (peer_io's command line)."""
     args = peer_io.arguments(METHODS)
     torch.set_num_threads(args.threads)
-    for folder in {sample["model"] for sample in peer_io.samples(args.exported)}:
+    for folder in peer_io.model_folders(args.exported):
         attribution_model(folder, args.method)  # load before the clock starts
     peer_io.run(args.exported, args.out, lambda sample: score(sample, args.method))
 
