@@ -1,6 +1,7 @@
 """The peers' exchange (bench/peers/exchange.py) round trip through a fake peer in another process."""
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -157,3 +158,21 @@ def test_a_runners_seconds_are_cpu_seconds_not_time_it_waited(tmp_path):
     seconds = {line["key"]: line["seconds"] for line in map(json.loads, out.read_text().splitlines())}
     assert seconds["waits"] < 0.1 and 0.2 <= seconds["computes"] < 0.5
     assert peer_io.model_folders(exported) == {"m"}
+
+
+def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detectors():
+    import compare
+    import pandas as pd
+
+    lds = {"key_removal_banzhaf": [0.8, 0.6, 0.7, 0.9], "peer": [0.7, 0.7, 0.5, 0.8]}
+    table = pd.DataFrame(
+        [{"sample": f"s{n}", "scorer": name, "source": "x", "lds": value, "aopc_comprehensiveness": 1.0,
+          "seconds": 2.0, "forwards": 4.0, "spearman_vs_ours": 0.5}
+         for name, values in lds.items() for n, value in enumerate(values)]
+    )  # fmt: skip
+    found = compare.summary(table).set_index("method")
+    assert found.loc["peer", "lds_minus_best"] == pytest.approx(-0.075)
+    assert found.loc["peer", "lds_minus_best_low"] < -0.075 < found.loc["peer", "lds_minus_best_high"]
+    assert found.loc["key_removal_banzhaf", "lds_minus_best"] == 0.0
+    alone = compare.summary(table[table.scorer == "peer"]).set_index("method")
+    assert alone.loc["peer", "samples"] == 4 and math.isnan(alone.loc["peer", "lds_minus_best"])
