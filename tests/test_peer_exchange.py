@@ -1,5 +1,6 @@
 """The peers' exchange (bench/peers/exchange.py) round trip through a fake peer in another process."""
 
+import argparse
 import json
 import math
 import subprocess
@@ -137,13 +138,15 @@ def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_
         compare.study_ablations(tmp_path, "other", 1024)
 
 
-def test_a_runners_seconds_are_cpu_seconds_not_time_it_waited(tmp_path):
+def test_a_runners_seconds_are_cpu_seconds_and_a_too_long_answer_is_a_failure_that_says_why(tmp_path):
     """``peer_io.run`` times the scoring with the process's CPU clock: a method that waits (another job
-    on the core, a paused run) costs nothing extra, one that computes costs its computing."""
+    on the core, a paused run) costs nothing extra, one that computes costs its computing; a sample
+    whose answer is longer than ``--max-answer-tokens`` is not scored and its line says why."""
     import peer_io
 
     exported = tmp_path / "samples.jsonl"
-    exported.write_text('{"key": "waits", "model": "m"}\n{"key": "computes", "model": "m"}\n')
+    line = '{{"key": "{}", "model": "m", "input_ids": [1, 2, 3, 4], "prompt_tokens": {}}}\n'
+    exported.write_text(line.format("waits", 3) + line.format("computes", 3) + line.format("long", 1))
     out = tmp_path / "scores.jsonl"
 
     def score(sample: dict) -> list[float]:
@@ -154,9 +157,10 @@ def test_a_runners_seconds_are_cpu_seconds_not_time_it_waited(tmp_path):
             pass
         return [1.0]
 
-    peer_io.run(exported, out, score)
-    seconds = {line["key"]: line["seconds"] for line in map(json.loads, out.read_text().splitlines())}
-    assert seconds["waits"] < 0.1 and 0.2 <= seconds["computes"] < 0.5
+    peer_io.run(argparse.Namespace(exported=exported, out=out, max_answer_tokens=2), score)
+    answers = {line["key"]: line for line in map(json.loads, out.read_text().splitlines())}
+    assert answers["waits"]["seconds"] < 0.1 and 0.2 <= answers["computes"]["seconds"] < 0.5
+    assert answers["long"]["error"] == "not run: 3 answer tokens, --max-answer-tokens 2"
     assert peer_io.model_folders(exported) == {"m"}
 
 

@@ -7,4 +7,4 @@ python bench/peers/fake_peer.py EXPORTED.jsonl SCORES.jsonl
 import peer_io
 
 args = peer_io.arguments()
-peer_io.run(args.exported, args.out, lambda sample: [end - start for start, end in sample["sources"]])
+peer_io.run(args, lambda sample: [end - start for start, end in sample["sources"]])

@@ -30,6 +30,11 @@ def arguments(methods: list[str] | None = None) -> argparse.Namespace:
     if methods:
         parser.add_argument("--method", choices=methods, default=methods[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--max-answer-tokens", type=int, default=None,
+        help="leave out (as a failure that says why) every sample whose answer is longer: for a method whose "
+        "cost grows with each answer token",
+    )  # fmt: skip
     parsed = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(parsed.threads))
     return parsed
@@ -46,10 +51,16 @@ def model_folders(path: Path) -> set[str]:
     return {sample["model"] for sample in samples(path)}
 
 
-def run(path: Path, out: Path, score: Callable[[dict], list[float]]) -> None:
-    """Score every sample of ``path`` with ``score`` and write the answers to ``out`` (:func:`resumable`)."""
+def run(args: argparse.Namespace, score: Callable[[dict], list[float]]) -> None:
+    """Score every sample of ``args.exported`` with ``score`` and write the answers to ``args.out``
+    (:func:`resumable`); a sample whose answer has more than ``args.max_answer_tokens`` tokens is not
+    scored, its line says why. ``args``: :func:`arguments`."""
 
     def answer(sample: dict) -> dict:
+        length, limit = len(sample["input_ids"]) - sample["prompt_tokens"], args.max_answer_tokens
+        if limit is not None and length > limit:
+            reason = f"not run: {length} answer tokens, --max-answer-tokens {limit}"
+            return {"key": sample["key"], "error": reason}
         start = time.process_time()
         try:
             scores = [float(x) for x in score(sample)]
@@ -58,7 +69,8 @@ def run(path: Path, out: Path, score: Callable[[dict], list[float]]) -> None:
             return {"key": sample["key"], "error": f"{type(error).__name__}: {error}",
                     "trace": traceback.format_exc(limit=4)}  # fmt: skip
 
-    resumable(out, ((sample["key"], functools.partial(answer, sample)) for sample in samples(path)))
+    jobs = ((sample["key"], functools.partial(answer, sample)) for sample in samples(args.exported))
+    resumable(args.out, jobs)
 
 
 def resumable(out: Path, jobs: Iterable[tuple[str, Callable[[], dict]]]) -> None:

@@ -103,7 +103,7 @@ def main() -> None:
         task = ExportedTask(sample, model, tokenizer)
         return AT2Attributor(task, estimator).get_attribution_scores().tolist()
 
-    peer_io.run(args.exported, args.out, score)
+    peer_io.run(args, score)
 
 
 if __name__ == "__main__":

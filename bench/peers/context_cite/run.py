@@ -101,7 +101,7 @@ def main() -> None:
             raise ValueError("the text's tokens do not start with the prompt's and end with the answer's")
         return citer.get_attributions(verbose=False).tolist()
 
-    peer_io.run(args.exported, args.out, score)
+    peer_io.run(args, score)
 
 
 if __name__ == "__main__":

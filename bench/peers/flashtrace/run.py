@@ -68,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for folder in peer_io.model_folders(args.exported):
         tracer(folder)  # load before the clock starts: seconds are the attribution's alone
-    peer_io.run(args.exported, args.out, score)
+    peer_io.run(args, score)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 
     .venv-peers/gim/bin/python bench/peers/gim/run.py EXPORTED.jsonl SCORES.jsonl [--method full|shipped]
 
-Its entry point ``gim.explain`` with its defaults (frozen norms, softmax backward at temperature 2, q/k
+``gim.explain``'s recipe with its defaults (frozen norms, softmax backward at temperature 2, q/k
 gradients × 0.25, v gradients × 0.5, the space token as baseline, attribution = (embedding − baseline
-embedding) · gradient summed over the hidden dimension), once per teacher-forced answer token t
-(``target_position`` t − 1, ``target_token_id`` x_t); a token's attribution is the sum over the answer
-tokens, i.e. that of Σ_t logit(x_t). A source scores the sum of its tokens' attribution.
+embedding) · gradient summed over the hidden dimension) for the target Σ_t logit_{t−1}(x_t) over the
+teacher-forced answer tokens t, in one pass inside gim's context ``gim.GIM`` (equal to the sum of
+``gim.explain`` over the answer tokens, one pass each). A source scores the sum of its tokens'
+attribution.
 
 ``--method shipped`` calls it on the model as transformers loads it. There gim 0.1.4 only reaches the
 attention's q/k/v (it wraps ``F.scaled_dot_product_attention``): it freezes only ``nn.LayerNorm`` and
@@ -21,6 +22,7 @@ math (``torch.softmax`` inside) before gim wraps it. Choices and failures: NOTES
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import sys
 from collections.abc import Iterator
@@ -29,12 +31,19 @@ from pathlib import Path
 import gim
 import torch
 import torch.nn.functional as F
+from gim.explain import _infer_baseline_token_id
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peer_io  # noqa: E402
 
 METHODS = ["full", "shipped"]
+# gim.explain's defaults (frozen norms, softmax backward at temperature 2, q/k/v gradient scales)
+EXPLAIN_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(gim.explain).parameters.items()
+    if name in ("freeze_norm", "softmax_temperature", "q_scale", "k_scale", "v_scale")
+}
 
 
 def torch_rms_norms(model: torch.nn.Module) -> int:
@@ -102,15 +111,22 @@ def load(folder: Path, method: str) -> tuple[torch.nn.Module, PreTrainedTokenize
 
 
 def token_attribution(model, tokenizer, ids: torch.Tensor, answer: list[int], method: str) -> torch.Tensor:
-    """``gim.explain`` with its defaults for each answer token t (row t − 1, token x_t), summed."""
+    """GIM's attribution of Σ_t logit_{t−1}(x_t) over the answer tokens t, in one forward and backward:
+    ``gim.explain``'s recipe (the embeddings fed with gradients kept, (embedding − baseline embedding) ·
+    gradient summed over the hidden dimension, the baseline token gim infers) inside gim's public context
+    ``gim.GIM`` with ``explain``'s defaults, the one target being the sum of the answer tokens' logits.
+    GIM's backward is linear in the target's gradient, so this equals the sum of ``gim.explain`` over the
+    answer tokens (NOTES.md: checked) at the cost of one pass instead of one per answer token."""
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        baseline = embed(torch.full_like(ids, _infer_baseline_token_id(tokenizer)))
+    clean = embed(ids).detach().requires_grad_(True)
+    rows, tokens = torch.tensor(answer) - 1, ids[0, answer]
     setting = written_out_attention() if method == "full" else contextlib.nullcontext()
-    with setting:
-        return sum(
-            gim.explain(
-                model, ids, target_token_id=int(ids[0, t]), target_position=t - 1, tokenizer=tokenizer
-            )
-            for t in answer
-        ).float()
+    with setting, gim.GIM(model, **EXPLAIN_DEFAULTS):
+        logits = model(inputs_embeds=clean, use_cache=False).logits[0]
+        logits[rows, tokens].sum().backward()
+    return (clean.grad * (clean.detach() - baseline)).sum(-1)[0].float()
 
 
 def main() -> None:
@@ -128,7 +144,7 @@ def main() -> None:
         attribution = token_attribution(model, tokenizer, ids, answer, args.method)
         return peer_io.sum_by_source(attribution.tolist(), offsets, sample)
 
-    peer_io.run(args.exported, args.out, score)
+    peer_io.run(args, score)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for folder in peer_io.model_folders(args.exported):
         attribution_model(folder, args.method)  # load before the clock starts
-    peer_io.run(args.exported, args.out, lambda sample: score(sample, args.method))
+    peer_io.run(args, lambda sample: score(sample, args.method))
 
 
 if __name__ == "__main__":

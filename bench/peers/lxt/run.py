@@ -100,7 +100,7 @@ def main() -> None:
         ids = torch.tensor([ids])
         return peer_io.sum_by_source(token_relevance(model, ids, answer).tolist(), offsets, sample)
 
-    peer_io.run(args.exported, args.out, score)
+    peer_io.run(args, score)
 
 
 if __name__ == "__main__":
