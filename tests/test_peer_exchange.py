@@ -164,14 +164,16 @@ def test_a_runners_seconds_are_cpu_seconds_and_a_too_long_answer_is_a_failure_th
     assert peer_io.model_folders(exported) == {"m"}
 
 
-def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detectors():
+def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detectors(tmp_path):
+    """``compare.summary``: each method's mean LDS and its paired difference from ``key_removal_banzhaf``'s;
+    ``results_markdown`` puts every run's summary in RESULTS.md's table."""
     import compare
     import pandas as pd
 
     lds = {"key_removal_banzhaf": [0.8, 0.6, 0.7, 0.9], "peer": [0.7, 0.7, 0.5, 0.8]}
     table = pd.DataFrame(
         [{"sample": f"s{n}", "scorer": name, "source": "x", "lds": value, "aopc_comprehensiveness": 1.0,
-          "seconds": 2.0, "forwards": 4.0, "spearman_vs_ours": 0.5}
+          "lds_share": value / 0.9, "seconds": 2.0, "forwards": 4.0, "spearman_vs_ours": 0.5}
          for name, values in lds.items() for n, value in enumerate(values)]
     )  # fmt: skip
     found = compare.summary(table).set_index("method")
@@ -180,3 +182,20 @@ def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detect
     assert found.loc["key_removal_banzhaf", "lds_minus_best"] == 0.0
     alone = compare.summary(table[table.scorer == "peer"]).set_index("method")
     assert alone.loc["peer", "samples"] == 4 and math.isnan(alone.loc["peer", "lds_minus_best"])
+    assert compare.results_markdown(tmp_path) == "(no comparison has finished yet)"
+    (tmp_path / "m-1024").mkdir()
+    compare.summary(table.assign(source="peer")).to_csv(tmp_path / "m-1024" / "summary.csv", index=False)
+    rows = compare.results_markdown(tmp_path).splitlines()
+    peer = next(row for row in rows if "| peer |" in row).split(" | ")
+    assert peer[:3] == ["| m-1024", "peer", "4"] and peer[3].startswith("0.68 [") and peer[4] == "0.75"
+    assert peer[5].startswith("-0.08 [") and peer[7:9] == ["2.0", "4.0"] and len(rows) == 4
+
+
+def test_results_peers_table_is_what_the_committed_runs_say():
+    """RESULTS.md's peers table equals ``results_markdown`` of the committed ``bench/results/peers``."""
+    import compare
+
+    text = (compare.ROOT / "RESULTS.md").read_text()
+    start, end = compare.RESULTS_MARKERS
+    committed = text.split(start, 1)[1].split(end, 1)[0].strip()
+    assert committed == compare.results_markdown(compare.ROOT / "bench" / "results" / "peers")

@@ -54,6 +54,7 @@ import peer_io  # noqa: E402
 from export_samples import HELDOUT_TASKS, heldout_samples  # noqa: E402
 
 import probe  # noqa: E402
+from analyses.claims import update_results  # noqa: E402
 from probe import faithfulness, stats  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
 from probe.results import atomic_write  # noqa: E402
@@ -63,6 +64,7 @@ PEERS = ["context_cite", "at2", "lxt", "gim:full", "gim:shipped", "flashtrace", 
 OURS = ["key_removal_banzhaf", "information_flow", "grad_times_input", "embedding_grad", "attention",
         "attn_lrp", "at2", "integrated_gradients", "context_cite"]  # fmt: skip
 KS = (1, 2, 4, 8)  # the held-out study's
+RESULTS_MARKERS = "<!-- peers:start -->", "<!-- peers:end -->"
 BEST = "key_removal_banzhaf"  # our best one-pass detector, every method's LDS is also given against it
 # our re-implementation of each peer
 # A runner's own options. inseq's integrated gradients runs 50 forward and backward passes for each answer
@@ -163,9 +165,44 @@ def summary(table: pd.DataFrame, best: str = BEST) -> pd.DataFrame:
                      "lds_low": lds.low, "lds_high": lds.high, "aopc_comprehensiveness": comp.value,
                      "aopc_low": comp.low, "aopc_high": comp.high, "lds_minus_best": gap.value,
                      "lds_minus_best_low": gap.low, "lds_minus_best_high": gap.high,
-                     "seconds": group.seconds.mean(), "forwards": group.forwards.mean(),
+                     "lds_share": group.lds_share.mean(), "seconds": group.seconds.mean(),
+                     "forwards": group.forwards.mean(),
                      "spearman_vs_ours": group.spearman_vs_ours.mean()})  # fmt: skip
     return pd.DataFrame(rows).sort_values("lds", ascending=False)
+
+
+def results_markdown(runs: Path) -> str:
+    """RESULTS.md's table of every finished comparison (``runs/MODEL-LENGTH/summary.csv``): per model and
+    method its samples, LDS and its share of the additive ceiling, the paired difference from
+    :data:`BEST`, AOPC of comprehensiveness, CPU seconds and forward passes a sample, and the Spearman
+    correlation with our re-implementation."""
+
+    def interval(value: float, low: float, high: float) -> str:
+        return (
+            "–"
+            if math.isnan(value)
+            else f"{value:.2f}" + ("" if math.isnan(low) else f" [{low:.2f}, {high:.2f}]")
+        )
+
+    def number(value: float, digits: int = 2) -> str:
+        return "–" if math.isnan(value) else f"{value:.{digits}f}"
+
+    head = (
+        "| model, length | method | samples | LDS, 95 % CI | share of ceiling | LDS − `key_removal_banzhaf`,"
+        " paired | AOPC comp. (nats) | CPU s a sample | forwards a sample | Spearman vs ours |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(runs.glob("*/summary.csv")):
+        for row in pd.read_csv(path).itertuples():
+            reference = row.source == "reference"
+            lines.append(
+                f"| {path.parent.name} | {'*' if reference else ''}{row.method}{'*' if reference else ''} "
+                f"| {row.samples} | {interval(row.lds, row.lds_low, row.lds_high)} | {number(row.lds_share)} "
+                f"| {interval(row.lds_minus_best, row.lds_minus_best_low, row.lds_minus_best_high)} "
+                f"| {interval(row.aopc_comprehensiveness, row.aopc_low, row.aopc_high)} "
+                f"| {number(row.seconds, 1)} | {number(row.forwards, 1)} | {number(row.spearman_vs_ours)} |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else "(no comparison has finished yet)"
 
 
 def plot(found: pd.DataFrame, title: str) -> plt.Figure:
@@ -228,6 +265,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--results", default=str(ROOT / "RESULTS.md"),
+        help="file whose peers table (between its peers markers) is rewritten from every run ('' to skip)",
+    )  # fmt: skip
+    parser.add_argument(
         "--ablations", type=Path, default=None,
         help="a held-out study's folder or its *_ablations.csv.gz: its masked passes are not run again",
     )  # fmt: skip
@@ -237,7 +278,7 @@ def main() -> None:
         parser.error(f"unknown peers {unknown}; peers: {', '.join(PACKAGES)}")
     torch.set_num_threads(args.threads)
     out = args.out or ROOT / "bench" / "results" / "peers" / f"{args.model}-{args.length}"
-    ignored = ("peers", "ours", "threads", "out", "ablations")  # none of them changes a number
+    ignored = ("peers", "ours", "threads", "out", "ablations", "results")  # none of them changes a number
     settings = {k: v for k, v in vars(args).items() if k not in ignored}
     settings |= {"clock": "process_time", "runner_args": RUNNER_ARGS}
     (out / "scores").mkdir(parents=True, exist_ok=True)
@@ -291,6 +332,8 @@ def main() -> None:
     fig = plot(found, title)
     atomic_write(out / "lds_vs_cost.png", lambda tmp: fig.savefig(tmp, dpi=150, bbox_inches="tight"))
     print(found.round(3).to_string(index=False))
+    if args.results:
+        update_results(Path(args.results), results_markdown(out.parent), RESULTS_MARKERS)
     if failures:
         print(f"\n{len(failures)} failures: {out / 'failures.csv'}")
 
