@@ -62,7 +62,7 @@ from probe.results import atomic_write  # noqa: E402
 PEERS = ["context_cite", "at2", "lxt", "gim:full", "gim:shipped", "flashtrace", "inseq:attention",
          "inseq:saliency", "inseq:input_x_gradient", "inseq:integrated_gradients"]  # fmt: skip
 OURS = ["key_removal_banzhaf", "information_flow", "grad_times_input", "embedding_grad", "attention",
-        "attn_lrp", "at2", "integrated_gradients", "context_cite"]  # fmt: skip
+        "attn_lrp", "at2", "integrated_gradients", "context_cite", "leave_one_out"]  # fmt: skip
 KS = (1, 2, 4, 8)  # the held-out study's
 RESULTS_MARKERS = "<!-- peers:start -->", "<!-- peers:end -->"
 BEST = "key_removal_banzhaf"  # our best one-pass detector, every method's LDS is also given against it
