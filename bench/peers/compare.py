@@ -67,11 +67,11 @@ OURS = ["key_removal_banzhaf", "information_flow", "grad_times_input", "embeddin
 KS = (1, 2, 4, 8)  # the held-out study's
 RESULTS_MARKERS = "<!-- peers:start -->", "<!-- peers:end -->"
 BEST = "key_removal_banzhaf"  # our best one-pass detector, every method's LDS is also given against it
-# our re-implementation of each peer
 # A runner's own options. inseq's integrated gradients runs 50 forward and backward passes for each answer
 # token: kv's 31-36-token answers would take ~4 h a sample on one CPU thread (~25 h a model), so those
 # samples are left out here, each with its reason (raise or drop the limit where a GPU runs it).
 RUNNER_ARGS = {"inseq:integrated_gradients": ["--max-answer-tokens", "8"]}
+# our re-implementation of each peer
 COUNTERPARTS = {"context_cite": "context_cite", "at2": "at2", "lxt": "attn_lrp",
                 "inseq:attention": "attention",
                 "inseq:saliency": "embedding_grad", "inseq:input_x_gradient": "grad_times_input",
