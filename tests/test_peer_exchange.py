@@ -94,6 +94,27 @@ def test_a_runner_finds_longprobes_tokens_answer_and_sources_with_its_own_tokeni
     assert peer_io.sum_by_source([1.0] * len(ids), offsets, exported) == lengths
 
 
+@pytest.mark.parametrize(("name", "prefix"), [("smollm2-135m", ""), ("gemma3-270m", "<bos>")])
+def test_a_peer_that_reads_text_alone_gets_longprobes_added_tokens_written_out(name, prefix, tmp_path):
+    """AT2, ContextCite and FlashTrace tokenize text without special tokens: written_out puts Gemma 3's
+    added <bos> in front of text and prompt (nothing for a chat-templated text), so their tokenizer gives
+    the exported ids, and moves the sources with it; a sample whose ids do not match is refused."""
+    import json
+
+    import peer_io
+
+    tokenizer = AutoTokenizer.from_pretrained(converted_folder(name))
+    sample = tasks.make("document-2", tokenizer, 300, seed=1)
+    exported = json.loads(exchange.export([sample], "m", tmp_path / "s.jsonl").read_text())
+    written = peer_io.written_out(tokenizer, exported)
+    assert written["text"] == prefix + exported["text"] and written["prompt"] == prefix + exported["prompt"]
+    assert tokenizer(written["text"], add_special_tokens=False)["input_ids"] == sample.input_ids.tolist()
+    spans = [written["text"][start:end] for start, end in written["sources"]]
+    assert spans == [exported["text"][start:end] for start, end in exported["sources"]]
+    with pytest.raises(ValueError, match="does not give the exported input_ids"):
+        peer_io.written_out(tokenizer, exported | {"input_ids": exported["input_ids"][:-1]})
+
+
 def test_a_killed_run_resumes_where_it_stopped_and_writes_its_answers_once(tmp_path):
     """``peer_io.resumable``: finished lines survive a kill (a cut-off last line is run again), no job
     runs twice, and the answers file appears only when every job has its line."""

@@ -124,6 +124,28 @@ def tokens(tokenizer, sample: dict) -> tuple[list[int], list[tuple[int, int]], l
     raise ValueError("the peer's tokenizer does not give the exported input_ids for this text")
 
 
+def written_out(tokenizer, sample: dict) -> dict:
+    """``sample`` for a peer that tokenizes text without special tokens and relies on a chat template to
+    write them (AT2, ContextCite, FlashTrace): the tokens longprobe adds in front of a text without chat
+    template (Gemma 3's ``<bos>``) are written out at the start of ``text`` and ``prompt``, the sources
+    shifted to match; nothing changes for a text that carries its chat template. Refuses a tokenizer
+    whose ids for the result are not the exported ``input_ids``."""
+    ids = sample["input_ids"]
+    added = len(ids) - len(tokenizer(sample["text"], add_special_tokens=False)["input_ids"])
+    prefix = tokenizer.decode(ids[:added]) if added > 0 else ""
+    shifted = sample | {
+        "text": prefix + sample["text"],
+        "prompt": prefix + sample["prompt"],
+        "sources": [[start + len(prefix), end + len(prefix)] for start, end in sample["sources"]],
+    }
+    if tokenizer(shifted["text"], add_special_tokens=False)["input_ids"] != ids:
+        raise ValueError(
+            f"the peer's tokenizer does not give the exported input_ids for this text (special tokens "
+            f"written out: {prefix!r})"
+        )
+    return shifted
+
+
 def sum_by_source(values: list[float], offsets: list[tuple[int, int]], sample: dict) -> list[float]:
     """Each source's score: the sum of its tokens' ``values`` (:func:`source_of_token`)."""
     scores = [0.0] * len(sample["sources"])

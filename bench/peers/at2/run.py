@@ -38,7 +38,7 @@ class ExportedTask(AttributionTask):
 
     def __init__(self, sample: dict, model, tokenizer, source_type: str = "span") -> None:
         super().__init__(model, tokenizer)
-        self.sample = sample
+        self.sample = peer_io.written_out(tokenizer, sample)  # Gemma 3's <bos>: AT2 tokenizes text alone
         self.source_type = source_type
         self.set_generation(sample["text"][len(sample["prompt"]) :])
         if (

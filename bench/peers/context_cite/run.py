@@ -91,6 +91,7 @@ def main() -> None:
 
     def score(sample: dict) -> list[float]:
         model, tokenizer = loaded[sample["model"]]
+        sample = peer_io.written_out(tokenizer, sample)  # Gemma 3's <bos>: ContextCite reads text alone
         prompt = sample["prompt"]
         partitioner = SpanPartitioner(prompt, sample["sources"])
         citer = ExportedCiter(model, tokenizer, prompt, query="", partitioner=partitioner)

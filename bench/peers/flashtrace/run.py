@@ -37,29 +37,16 @@ def tracer(folder: str) -> FlashTrace:
 def score(sample: dict) -> list[float]:
     """FlashTrace's prompt-token scores for the teacher-forced answer, summed over each source."""
     engine = tracer(sample["model"])
-    prompt, text = sample["prompt"], sample["text"]
-    target = text[len(prompt) :]  # the answer as the model reads it (with its leading space)
     # FlashTrace tokenizes without special tokens; longprobe reads a text without chat template with the
-    # tokenizer's BOS (Gemma 3), so it is written out in front of the prompt (not in any source)
-    bos = engine.tokenizer.bos_token or ""
-    added = (
-        engine.tokenizer(text)["input_ids"][:1]
-        != engine.tokenizer(text, add_special_tokens=False)["input_ids"][:1]
-    )
-    prefix = bos if bos and added else ""
-    trace = engine.trace(prompt=prefix + prompt, target=target)
-    encoded = engine.tokenizer(prefix + prompt, return_offsets_mapping=True, add_special_tokens=False)
-    offsets = [
-        (max(start - len(prefix), 0), max(end - len(prefix), 0)) for start, end in encoded["offset_mapping"]
-    ]
+    # tokenizer's BOS (Gemma 3), so it is written out in front of the prompt (in no source)
+    sample = peer_io.written_out(engine.tokenizer, sample)
+    prompt, text = sample["prompt"], sample["text"]
+    trace = engine.trace(prompt=prompt, target=text[len(prompt) :])  # the answer with its leading space
+    encoded = engine.tokenizer(prompt, return_offsets_mapping=True, add_special_tokens=False)
+    offsets = [tuple(pair) for pair in encoded["offset_mapping"]]
     if len(offsets) != len(trace.scores):
         raise ValueError(f"{len(trace.scores)} FlashTrace scores for {len(offsets)} prompt tokens")
-    totals = [0.0] * len(sample["sources"])
-    owners = peer_io.source_of_token(offsets, text, sample["sources"])
-    for owner, value in zip(owners, trace.scores, strict=True):
-        if owner is not None:
-            totals[owner] += value
-    return totals
+    return peer_io.sum_by_source([float(value) for value in trace.scores], offsets, sample)
 
 
 def main() -> None:
