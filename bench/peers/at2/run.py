@@ -20,13 +20,15 @@ from pathlib import Path
 import torch
 from at2 import AT2Attributor, AT2FeatureExtractor, AT2ScoreEstimator
 from at2.tasks import AttributionTask
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 here = Path(__file__).resolve().parent
 sys.path.insert(0, str(here.parent))
+import legacy  # noqa: E402
 import peer_io  # noqa: E402
 
 ESTIMATORS = here / "estimators"
+#: config.json's model_type -> AT2's name for it (``at2.attribution.attention``: Gemma 3 is "gemma3")
+MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 
 class ExportedTask(AttributionTask):
@@ -72,14 +74,16 @@ def feature_extractor(model) -> AT2FeatureExtractor:
     """AT2's attention features for ``model``; its model type given, since AT2 infers it from the model's
     name and our converted folder's name says no architecture."""
     config = model.config
-    return AT2FeatureExtractor(config.num_hidden_layers, config.num_attention_heads, config.model_type)
+    model_type = MODEL_TYPES.get(config.model_type, config.model_type)
+    return AT2FeatureExtractor(config.num_hidden_layers, config.num_attention_heads, model_type)
 
 
 def load(folder: str) -> tuple:
-    """The exported model folder with this environment's transformers, float32, and its tokenizer (set up
-    as ``at2.utils.get_model_and_tokenizer`` does)."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    """The exported model folder with transformers 4.52 (``legacy``; NOTES.md: AT2's Gemma 3 code needs it),
+    float32, and its tokenizer (set up as ``at2.utils.get_model_and_tokenizer`` does)."""
+    model = legacy.model(folder, legacy.config(folder))
+    tokenizer = legacy.tokenizer(folder)
+    tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

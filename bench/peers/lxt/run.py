@@ -12,16 +12,16 @@ source scores the sum of its tokens' relevance. Choices and failures: NOTES.md b
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import types
 from pathlib import Path
 
 import torch
 import transformers  # noqa: F401  (first: it decides whether torchvision is installed before the stand-in)
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import legacy  # noqa: E402
 import peer_io  # noqa: E402
 
 #: config.json's model_type -> the transformers module lxt's default patch map holds.
@@ -44,37 +44,18 @@ def import_lxt() -> types.ModuleType:
     return importlib.import_module("lxt.efficient")
 
 
-def legacy_config(folder: Path) -> PretrainedConfig:
-    """The exported config.json (written by transformers 5) for transformers 4.52: ``rope_parameters``
-    become ``rope_theta`` (Gemma 3: the global layers' theta, and the sliding layers' as
-    ``rope_local_base_freq``); any other rope type is refused rather than silently dropped."""
-    raw = json.loads((folder / "config.json").read_text())
-    rope = raw.pop("rope_parameters", None) or {}
-    raw.pop("dtype", None)
-    if "full_attention" in rope:
-        raw["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
-        raw["sliding_window_pattern"] = raw.get("_sliding_window_pattern", 6)
-        rope = rope["full_attention"]
-    if rope:
-        if rope.get("rope_type", "default") != "default":
-            raise NotImplementedError(f"rope {rope} has no transformers 4.52 translation here")
-        raw["rope_theta"] = rope["rope_theta"]
-    return AutoConfig.for_model(**raw)
-
-
 def load(folder: Path) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """The model, patched by lxt for its family before it is built, float32, and its fast tokenizer."""
-    config = legacy_config(folder)
+    config = legacy.config(folder)
     family = FAMILIES.get(config.model_type)
     if family is None:
         raise NotImplementedError(f"lxt 2.1 has no efficient rules for {config.model_type}")
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     import_lxt().monkey_patch(modeling)
-    model = AutoModelForCausalLM.from_pretrained(folder, config=config, torch_dtype=torch.float32)
-    model.eval()
+    model = legacy.model(folder, config)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    return model, PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    return model, legacy.tokenizer(folder)
 
 
 def token_relevance(model: torch.nn.Module, ids: torch.Tensor, answer: list[int]) -> torch.Tensor:
