@@ -94,21 +94,26 @@ def label(spec: str) -> str:
     return " ".join(filter(None, [PACKAGES[peer], version(peer), method]))
 
 
+def runner_command(spec: str, exported: Path, out: Path, threads: int) -> list[str]:
+    """The command that runs peer ``spec``'s runner in its environment (``.venv-peers/NAME``), with the
+    runner's own options (:data:`RUNNER_ARGS`)."""
+    peer, _, method = spec.partition(":")
+    python = ROOT / ".venv-peers" / peer / "bin" / "python"
+    command = [str(python), str(HERE / peer / "run.py"), str(exported), str(out), "--threads", str(threads)]
+    return [*command, *(["--method", method] if method else []), *RUNNER_ARGS.get(spec, [])]
+
+
 def run_peer(spec: str, exported: Path, out: Path, threads: int) -> None:
     """Run peer ``spec``'s runner in its environment, its answers to ``out`` (skipped if there)."""
     if out.exists():
         return
-    peer, _, method = spec.partition(":")
-    python = ROOT / ".venv-peers" / peer / "bin" / "python"
-    if not python.exists():
+    command = runner_command(spec, exported, out, threads)
+    if not Path(command[0]).exists():
         keys = [json.loads(line)["key"] for line in exported.read_text().splitlines()]
-        error = f"no environment: run bench/peers/setup.sh {peer}"
+        error = f"no environment: run bench/peers/setup.sh {spec.partition(':')[0]}"
         out.write_text("".join(json.dumps({"key": key, "error": error}) + "\n" for key in keys))
         return
-    command = [str(python), str(HERE / peer / "run.py"), str(exported), str(out), "--threads", str(threads)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    method_args = ["--method", method] if method else []
-    subprocess.run([*command, *method_args, *RUNNER_ARGS.get(spec, [])], check=True, env=env)
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
 def run_ours(model, tokenizer, samples, name: str, out: Path) -> None:
