@@ -42,7 +42,7 @@ class ExportedTask(AttributionTask):
         super().__init__(model, tokenizer)
         self.sample = peer_io.written_out(tokenizer, sample)  # Gemma 3's <bos>: AT2 tokenizes text alone
         self.source_type = source_type
-        self.set_generation(sample["text"][len(sample["prompt"]) :])
+        self.set_generation(self.sample["text"][len(self.sample["prompt"]) :])
         if (
             self.get_tokens()["input_ids"][: self.generation_token_start]
             != self.get_input_tokens()["input_ids"]
