@@ -19,9 +19,10 @@ masks, the additive ceiling's and every top-k mask it ran are read, not run agai
 Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
 per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
 bootstrap intervals, the paired difference of LDS from :data:`BEST`'s, seconds and forward passes a
-sample, samples scored), ``failures.csv`` and
-``lds_vs_cost.png``. Each peer we re-implement (:data:`COUNTERPARTS`) also gets, per sample, the
-Spearman correlation of its source scores with our re-implementation's (``spearman_vs_ours``).
+sample, samples scored), ``failures.csv`` and ``lds_vs_cost.png`` (LDS and AOPC of comprehensiveness
+against forward passes; its data: ``summary.csv``). Each peer we re-implement (:data:`COUNTERPARTS`)
+also gets, per sample, the Spearman correlation of its source scores with our re-implementation's
+(``spearman_vs_ours``).
 """
 
 from __future__ import annotations
@@ -212,21 +213,33 @@ def results_markdown(runs: Path) -> str:
 
 
 def plot(found: pd.DataFrame, title: str) -> plt.Figure:
-    """LDS against forward-pass equivalents a sample, one point per method, 95 % intervals."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    """LDS and AOPC of comprehensiveness against forward-pass equivalents a sample, one point per
+    method, 95 % intervals; the additive ceiling dashed."""
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharex=True)
     shown = found[found.forwards.notna()]
-    sns.scatterplot(data=shown, x="forwards", y="lds", hue="source", style="source", s=70, ax=ax)
-    ax.errorbar(shown.forwards, shown.lds, yerr=[shown.lds - shown.lds_low, shown.lds_high - shown.lds],
-                fmt="none", ecolor="grey", elinewidth=0.8)  # fmt: skip
-    for row in shown.itertuples():
-        ax.annotate(
-            row.method, (row.forwards, row.lds), fontsize=7, xytext=(4, 2), textcoords="offset pixels"
-        )
-    for ceiling in found[found.method == "additive_ceiling"].lds:
-        ax.axhline(ceiling, color="darkred", linestyle="--", linewidth=0.8, label="additive ceiling (ref.)")
-    ax.set(xscale="log", xlabel="cost: forward-pass equivalents a sample (log)", ylabel="LDS (mean, 95 % CI)",
-           title=title)  # fmt: skip
-    ax.legend(fontsize=8)
+    panels = [
+        ("lds", "lds_low", "lds_high", "LDS (mean, 95 % CI)"),
+        ("aopc_comprehensiveness", "aopc_low", "aopc_high", "AOPC of comprehensiveness (nats, 95 % CI)"),
+    ]
+    for ax, (column, low, high, label) in zip(axes, panels, strict=True):
+        sns.scatterplot(data=shown, x="forwards", y=column, hue="source", style="source", s=70, ax=ax)
+        error = [shown[column] - shown[low], shown[high] - shown[column]]
+        ax.errorbar(shown.forwards, shown[column], yerr=error, fmt="none", ecolor="grey", elinewidth=0.8)
+        for row in shown.itertuples():
+            ax.annotate(
+                row.method,
+                (row.forwards, getattr(row, column)),
+                fontsize=7,
+                xytext=(4, 2),
+                textcoords="offset pixels",
+            )
+        for ceiling in found.loc[found.method == "additive_ceiling", column]:
+            ax.axhline(
+                ceiling, color="darkred", linestyle="--", linewidth=0.8, label="additive ceiling (ref.)"
+            )
+        ax.set(xscale="log", xlabel="cost: forward-pass equivalents a sample (log)", ylabel=label)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     return fig
 
 
