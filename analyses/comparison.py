@@ -253,6 +253,55 @@ def ranks_markdown(ranks: pd.DataFrame, intervals: pd.DataFrame) -> str:
     return "\n\n".join(parts) + "\n\nRank 1 = best (AUROC: plausibility; AOPC and LDS: faithfulness).\n"
 
 
+# the held-out protocol's words for a paired interval that excludes 0 above / below it, per metric
+VERDICT_WORDS = {
+    "lds": ("above", "below"),
+    "aopc_comprehensiveness": ("better", "worse"),  # more lost when the top k are removed
+    "aopc_sufficiency": ("worse", "better"),  # more lost when only the top k are kept
+}
+
+
+def verdicts_markdown(faithful: pd.DataFrame, intervals: pd.DataFrame, versus: str = "leave_one_out") -> str:
+    """Every scorer against ``versus`` over all samples, as GitHub markdown (the held-out protocol,
+    ``figures/studies/heldout_protocol.md``): its LDS [95 % CI], the paired difference of each of
+    :data:`VERDICT_WORDS`' metrics from ``versus``'s with its interval and word ("matches" where the
+    interval covers 0), its LDS share of the additive ceiling, and the share of samples whose gold
+    answer the top 8 sources alone keep (``correct_kept_k8``). ``intervals``:
+    :func:`faithfulness_intervals`. Sorted by LDS; reference rows in italics."""
+    every = intervals[intervals.answer == "all"].set_index(["scorer", "metric", "versus"])
+
+    def interval(scorer: str, metric: str, against: str = "") -> str:
+        if (scorer, metric, against) not in every.index:
+            return "–"
+        row = every.loc[(scorer, metric, against)]
+        text = f"{row.value:.2f} [{row.low:.2f}, {row.high:.2f}]"
+        if not against:
+            return text
+        above, below = VERDICT_WORDS[metric]
+        return f"{text} {above if row.low > 0 else below if row.high < 0 else 'matches'}"
+
+    columns = ["lds", "lds_share", "correct_kept_k8"]  # the last two only with a ceiling / with k = 8
+    means = faithful.reindex(columns=["scorer", *columns]).astype({c: float for c in columns})
+    means = means.groupby("scorer").mean().sort_values("lds", ascending=False)
+
+    def number(value: float) -> str:
+        return "–" if np.isnan(value) else f"{value:.2f}"
+
+    lines = [
+        f"| scorer | LDS | LDS − `{versus}` | share of ceiling | AOPC comp. − `{versus}` "
+        f"| AOPC suff. − `{versus}` | top 8 alone give the gold answer |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for scorer, row in means.iterrows():
+        name = f"*{scorer}*" if scorer in REFERENCES else f"`{scorer}`"
+        against = [interval(scorer, metric, versus) for metric in VERDICT_WORDS]
+        lines.append(
+            f"| {name} | {interval(scorer, 'lds')} | {against[0]} | {number(row.lds_share)} "
+            f"| {against[1]} | {against[2]} | {number(row.correct_kept_k8)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def faithfulness_intervals(faithful: pd.DataFrame) -> pd.DataFrame:
     """Per answer group, scorer and metric (:data:`INTERVAL_METRICS`): the mean over samples with its
     95 % bootstrap interval (``versus`` empty), and the mean paired difference from each of

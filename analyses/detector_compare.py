@@ -34,6 +34,10 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
 - ``detector_{tag}_intervals``: each scorer's mean AOPC (comprehensiveness, sufficiency) and LDS
   with 95 % bootstrap intervals over samples, and its paired difference from ``attention`` and from
   ``leave_one_out`` (the ablation reference, pruned by default), with intervals.
+- ``detector_{tag}_verdicts.md`` (when ``leave_one_out`` ran): each scorer's LDS, its share of the
+  additive ceiling and its paired differences from ``leave_one_out`` (LDS, AOPC of comprehensiveness
+  and sufficiency) with the held-out protocol's words ("above" / "below" only where the interval
+  excludes 0, else "matches").
 
 The default, the main job, judges CDT's detectors (``attention``, ``information_flow``,
 ``embedding_grad``), the key-removal gradients (``key_removal_grad``, ``key_removal_banzhaf``) and
@@ -81,6 +85,7 @@ from analyses.comparison import (
     faithfulness_summary,
     rank_table,
     ranks_markdown,
+    verdicts_markdown,
 )
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
@@ -448,6 +453,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     markdown = ranks_markdown(ranks, intervals)
     atomic_write(out / f"detector_{tag}_ranks.csv", lambda tmp: ranks.to_csv(tmp, index=False))
     atomic_write(out / f"detector_{tag}_ranks.md", lambda tmp: tmp.write_text(markdown))
+    if "leave_one_out" in names:  # the held-out protocol's verdicts against the ablation reference
+        verdicts = verdicts_markdown(faithful, intervals)
+        atomic_write(out / f"detector_{tag}_verdicts.md", lambda tmp: tmp.write_text(verdicts))
     accuracy = table.drop_duplicates(["task", "seed"]).groupby("task").correct.mean()
     print(f"accuracy by task:\n{accuracy.to_string()}\n\n{summary.round(3).to_string(index=False)}")
     print(f"\nfaithfulness:\n{faithfulness_summary(faithful).round(3).to_string(index=False)}")

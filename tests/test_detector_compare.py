@@ -101,6 +101,25 @@ def test_intervals_give_each_scorer_and_its_differences_from_the_baselines(run):
     assert set(intervals.versus) == {"", "attention", "leave_one_out"}
 
 
+def test_verdicts_pair_each_scorer_with_leave_one_out_in_the_protocols_words(run, names):
+    """``detector_{tag}_verdicts.md``: a row per scorer, its LDS − leave-one-out the intervals' paired
+    difference, "above" / "below" only where that interval excludes 0."""
+    _, out, tag = run
+    intervals = pd.read_csv(out / f"detector_{tag}_intervals.csv")
+    paired = intervals[(intervals.answer == "all") & (intervals.versus == "leave_one_out")]
+    paired = paired[paired.metric == "lds"].set_index("scorer")
+    rows = {
+        cells[0].strip("`*"): cells
+        for line in (out / f"detector_{tag}_verdicts.md").read_text().splitlines()[2:]
+        for cells in [[cell.strip() for cell in line.strip("|").split("|")]]
+    }
+    assert set(rows) == {*names, "ground_truth", "random_sources"}
+    assert rows["leave_one_out"][2] == "–"
+    for scorer, row in paired.iterrows():
+        word = "above" if row.low > 0 else "below" if row.high < 0 else "matches"
+        assert rows[scorer][2] == f"{row.value:.2f} [{row.low:.2f}, {row.high:.2f}] {word}"
+
+
 def test_faithfulness_csv_has_one_row_per_sample_and_scorer(run, names):
     _, out, tag = run
     faithful = pd.read_csv(out / f"detector_{tag}_faithfulness.csv")
