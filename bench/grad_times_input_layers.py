@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
-from harness import load, report, samples_parser
+from harness import new_seed_samples, report
 from scipy.stats import spearmanr
 
 import probe
@@ -61,36 +61,28 @@ def layer_products(model, sample: tasks.Sample) -> tuple[torch.Tensor, torch.Ten
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = samples_parser(__doc__)
-    parser.set_defaults(tasks=["multihop-2", "document-2"], seeds=list(range(20000, 20006)))
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    model, tokenizer = load(args.model, args.device, args.dtype, args.tokenizer)
+    args, model, tokenizer, samples = new_seed_samples(__doc__, argv)
     rows = []
-    for task in args.tasks:
-        for seed in args.seeds:
-            sample = tasks.make(task, tokenizer, args.length, seed=seed, model=model)
-            signed, norm = layer_products(model, sample)
-            detector = probe.detect("grad_times_input", model, tokenizer, sample).scores
-            gap = float((signed[0] - detector).abs().max() / detector.abs().max())
-            if gap > 1e-4:
-                raise AssertionError(f"layer 0 is not grad_times_input ({gap:.1e} apart, relative)")
-            removal = probe.detect("leave_one_out", model, tokenizer, sample, top_m=None).source_scores(
-                sample
-            )
-            for kind, values in (("signed", signed), ("norm", norm)):
-                for layer, per_token in enumerate(values):
-                    per_source = torch.stack([per_token[s.start : s.end].sum() for s in sample.sources])
-                    rho = spearmanr(per_source.numpy(), removal.numpy()).statistic
-                    rows.append(
-                        {"task": task, "seed": seed, "product": kind, "layer": layer, "spearman_vs_loo": rho}
-                    )
-            print(
-                task,
-                seed,
-                [round(float(r["spearman_vs_loo"]), 2) for r in rows[-2 * len(signed) :]],
-                flush=True,
-            )
+    for task, seed, sample in samples:
+        signed, norm = layer_products(model, sample)
+        detector = probe.detect("grad_times_input", model, tokenizer, sample).scores
+        gap = float((signed[0] - detector).abs().max() / detector.abs().max())
+        if gap > 1e-4:
+            raise AssertionError(f"layer 0 is not grad_times_input ({gap:.1e} apart, relative)")
+        removal = probe.detect("leave_one_out", model, tokenizer, sample, top_m=None).source_scores(sample)
+        for kind, values in (("signed", signed), ("norm", norm)):
+            for layer, per_token in enumerate(values):
+                per_source = torch.stack([per_token[s.start : s.end].sum() for s in sample.sources])
+                rho = spearmanr(per_source.numpy(), removal.numpy()).statistic
+                rows.append(
+                    {"task": task, "seed": seed, "product": kind, "layer": layer, "spearman_vs_loo": rho}
+                )
+        print(
+            task,
+            seed,
+            [round(float(r["spearman_vs_loo"]), 2) for r in rows[-2 * len(signed) :]],
+            flush=True,
+        )
     table = pd.DataFrame(rows)
     summary = []
     for (kind, layer), group in table.groupby(["product", "layer"]):

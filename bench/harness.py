@@ -177,6 +177,28 @@ def samples_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def new_seed_samples(doc: str, argv: list[str] | None = None):
+    """A check judged outside the held-out study (its samples may prompt a question, never answer it):
+    :func:`samples_parser`'s options with new seeds by default (``multihop-2`` and ``document-2``,
+    seeds 20000–20005), one thread. Returns ``(args, model, tokenizer, samples)``; ``samples`` yields
+    ``(task, seed, Sample)``, each made when it is reached."""
+    import torch
+
+    from probe import tasks
+
+    parser = samples_parser(doc)
+    parser.set_defaults(tasks=["multihop-2", "document-2"], seeds=list(range(20000, 20006)))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model, tokenizer = load(args.model, args.device, args.dtype, args.tokenizer)
+    samples = (
+        (task, seed, tasks.make(task, tokenizer, args.length, seed=seed, model=model))
+        for task in args.tasks
+        for seed in args.seeds
+    )
+    return args, model, tokenizer, samples
+
+
 def run_bench(
     args: argparse.Namespace,
     script: str,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
-from harness import load, report, samples_parser
+from harness import new_seed_samples, report
 
 from probe import faithfulness, tasks
 from probe.detectors import detect_many
@@ -59,25 +59,19 @@ def paired(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = samples_parser(__doc__)
-    parser.set_defaults(tasks=["multihop-2", "document-2"], seeds=list(range(20000, 20006)))
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    model, tokenizer = load(args.model, args.device, args.dtype, args.tokenizer)
+    args, model, tokenizer, samples = new_seed_samples(__doc__, argv)
     rows = []
-    for task in args.tasks:
-        for seed in args.seeds:
-            sample = tasks.make(task, tokenizer, args.length, seed=seed, model=model)
-            found = detect_many(list(TOKEN_LEVEL), model, tokenizer, sample)
-            frame = faithfulness.evaluate(
-                model, sample, reduced_scores(found, sample), ks=KS, n_masks=MASKS, seed=seed
-            )
-            detector, reduce = frame.scorer.str.split("/", expand=True).T.values
-            frame = frame.assign(task=task, seed=seed, detector=detector, reduce=reduce)
-            rows.append(frame[["task", "seed", "detector", "reduce", "lds", "aopc_comprehensiveness",
-                               "aopc_sufficiency", "n_sources", "full_correct"]])  # fmt: skip
-            lds = frame.set_index("scorer").lds
-            print(task, seed, {name: round(float(value), 2) for name, value in lds.items()}, flush=True)
+    for task, seed, sample in samples:
+        found = detect_many(list(TOKEN_LEVEL), model, tokenizer, sample)
+        frame = faithfulness.evaluate(
+            model, sample, reduced_scores(found, sample), ks=KS, n_masks=MASKS, seed=seed
+        )
+        detector, reduce = frame.scorer.str.split("/", expand=True).T.values
+        frame = frame.assign(task=task, seed=seed, detector=detector, reduce=reduce)
+        rows.append(frame[["task", "seed", "detector", "reduce", "lds", "aopc_comprehensiveness",
+                           "aopc_sufficiency", "n_sources", "full_correct"]])  # fmt: skip
+        lds = frame.set_index("scorer").lds
+        print(task, seed, {name: round(float(value), 2) for name, value in lds.items()}, flush=True)
     table = pd.concat(rows, ignore_index=True)
     summary = paired(table)
     print(summary[summary.metric == "lds"].round(3).to_string(index=False))
