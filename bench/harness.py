@@ -177,17 +177,22 @@ def samples_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def new_seed_samples(doc: str, argv: list[str] | None = None):
+def new_seed_samples(
+    doc: str,
+    argv: list[str] | None = None,
+    task_names: tuple[str, ...] = ("multihop-2", "document-2"),
+    seeds: range = range(20000, 20006),
+):
     """A check judged outside the held-out study (its samples may prompt a question, never answer it):
-    :func:`samples_parser`'s options with new seeds by default (``multihop-2`` and ``document-2``,
-    seeds 20000–20005), one thread. Returns ``(args, model, tokenizer, samples)``; ``samples`` yields
-    ``(task, seed, Sample)``, each made when it is reached."""
+    :func:`samples_parser`'s options with new seeds by default (``task_names`` × ``seeds``), one thread.
+    Returns ``(args, model, tokenizer, samples)``; ``samples`` yields ``(task, seed, Sample)``, each
+    made when it is reached."""
     import torch
 
     from probe import tasks
 
     parser = samples_parser(doc)
-    parser.set_defaults(tasks=["multihop-2", "document-2"], seeds=list(range(20000, 20006)))
+    parser.set_defaults(tasks=list(task_names), seeds=list(seeds))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, tokenizer = load(args.model, args.device, args.dtype, args.tokenizer)

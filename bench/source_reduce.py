@@ -18,6 +18,8 @@ intervals over samples.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import torch
 from harness import new_seed_samples, report
@@ -31,31 +33,60 @@ KS = (1, 4)
 MASKS = 32
 
 
-def reduced_scores(found: dict, sample: tasks.Sample) -> dict[str, torch.Tensor]:
-    """``"detector/reduction"`` → Tensor[sources] for every detector in ``found`` and reduction."""
-    scores = {}
-    for name, detection in found.items():
-        if "source_scores" in detection.details:
-            raise ValueError(f"{name} has source scores of its own: no reduction applies to it")
-        for reduce in faithfulness.REDUCTIONS:
-            scores[f"{name}/{reduce}"] = faithfulness.source_scores(detection.scores, sample.sources, reduce)
-    return scores
+def reduced_scores(token_scores: dict[str, torch.Tensor], sample: tasks.Sample) -> dict[str, torch.Tensor]:
+    """``"name/reduction"`` → Tensor[sources] for every token scoring (name → Tensor[seq]) and
+    reduction."""
+    return {
+        f"{name}/{reduce}": faithfulness.source_scores(scores, sample.sources, reduce)
+        for name, scores in token_scores.items()
+        for reduce in faithfulness.REDUCTIONS
+    }
 
 
-def paired(table: pd.DataFrame) -> pd.DataFrame:
-    """Per detector, metric and reduction: the mean over samples [95 % CI] and, against the mean
-    reduction, the paired difference [95 % CI]."""
+def paired(table: pd.DataFrame, against: tuple[str, str] | None = None) -> pd.DataFrame:
+    """Per detector, metric and reduction: the mean over samples [95 % CI] and the paired difference
+    [95 % CI] from the ``against`` (detector, reduction) column — by default each detector's own mean
+    reduction (column ``baseline`` names it)."""
     rows = []
     for metric in ("lds", "aopc_comprehensiveness", "aopc_sufficiency"):
         wide = table.pivot_table(index=["task", "seed"], columns=["detector", "reduce"], values=metric)
         for detector, reduce in wide.columns:
+            baseline = against or (detector, "mean")
             values = wide[(detector, reduce)]
             own = bootstrap(values.dropna().to_numpy())
-            gap = bootstrap((values - wide[(detector, "mean")]).dropna().to_numpy())
+            gap = bootstrap((values - wide[baseline]).dropna().to_numpy())
             rows.append({"detector": detector, "reduce": reduce, "metric": metric, "value": own.value,
-                         "low": own.low, "high": own.high, "minus_mean": gap.value, "minus_mean_low": gap.low,
-                         "minus_mean_high": gap.high, "samples": own.n})  # fmt: skip
+                         "low": own.low, "high": own.high, "baseline": "/".join(baseline),
+                         "minus_baseline": gap.value, "minus_baseline_low": gap.low,
+                         "minus_baseline_high": gap.high, "samples": own.n})  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def judged(
+    model, task: str, seed: int, sample: tasks.Sample, token_scores: dict[str, torch.Tensor]
+) -> pd.DataFrame:
+    """Every token scoring (name → Tensor[seq]) reduced three ways and judged on the same ablations:
+    one row per (detector, reduction)."""
+    frame = faithfulness.evaluate(
+        model, sample, reduced_scores(token_scores, sample), ks=KS, n_masks=MASKS, seed=seed
+    )
+    detector, reduce = frame.scorer.str.split("/", expand=True).T.values
+    frame = frame.assign(task=task, seed=seed, detector=detector, reduce=reduce)
+    lds = frame.set_index("scorer").lds
+    print(task, seed, {name: round(float(value), 2) for name, value in lds.items()}, flush=True)
+    return frame[["task", "seed", "detector", "reduce", "lds", "aopc_comprehensiveness",
+                  "aopc_sufficiency", "n_sources", "full_correct"]]  # fmt: skip
+
+
+def summarised(
+    rows: list[pd.DataFrame], csv: Path | None, against: tuple[str, str] | None = None
+) -> pd.DataFrame:
+    """The per-sample table (written to ``csv``) and its :func:`paired` summary (``*_summary.csv``)."""
+    table = pd.concat(rows, ignore_index=True)
+    summary = paired(table, against)
+    print(summary[summary.metric == "lds"].round(3).to_string(index=False))
+    report(summary, csv.with_name(csv.stem + "_summary.csv") if csv else None)
+    return report(table, csv)
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -63,20 +94,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = []
     for task, seed, sample in samples:
         found = detect_many(list(TOKEN_LEVEL), model, tokenizer, sample)
-        frame = faithfulness.evaluate(
-            model, sample, reduced_scores(found, sample), ks=KS, n_masks=MASKS, seed=seed
-        )
-        detector, reduce = frame.scorer.str.split("/", expand=True).T.values
-        frame = frame.assign(task=task, seed=seed, detector=detector, reduce=reduce)
-        rows.append(frame[["task", "seed", "detector", "reduce", "lds", "aopc_comprehensiveness",
-                           "aopc_sufficiency", "n_sources", "full_correct"]])  # fmt: skip
-        lds = frame.set_index("scorer").lds
-        print(task, seed, {name: round(float(value), 2) for name, value in lds.items()}, flush=True)
-    table = pd.concat(rows, ignore_index=True)
-    summary = paired(table)
-    print(summary[summary.metric == "lds"].round(3).to_string(index=False))
-    report(summary, args.csv.with_name(args.csv.stem + "_summary.csv") if args.csv else None)
-    return report(table, args.csv)
+        rows.append(judged(model, task, seed, sample, {name: found[name].scores for name in TOKEN_LEVEL}))
+    return summarised(rows, args.csv)
 
 
 if __name__ == "__main__":
