@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import torch
 from harness import new_seed_samples
-from source_reduce import judged, summarised
+from source_reduce import judged, paired, summarised
 
 from probe import embedding_grad_norms, tasks
 from probe.target import Target
 
 TASKS = ("document-2", "kv", "key-token")  # answers of 2-3, ~33 and 1 token(s)
+BASELINE = ("embedding_grad", "mean")  # longprobe's detector with its default reduction
 
 
 def answer_token(t: int) -> Target:
@@ -63,7 +64,11 @@ def main(argv: list[str] | None = None):
         rows.append(
             judged(model, task, seed, sample, {"embedding_grad": whole, **split_saliency(model, sample)})
         )
-    return summarised(rows, args.csv, against=("embedding_grad", "mean"))
+    table = summarised(rows, args.csv, against=BASELINE)
+    for task, part in table.groupby("task"):
+        by_task = paired(part, BASELINE)
+        print(f"{task}:", by_task[by_task.metric == "lds"].round(3).to_string(index=False), sep="\n")
+    return table
 
 
 if __name__ == "__main__":
