@@ -21,15 +21,19 @@ reduction (longprobe's default), 95 % bootstrap intervals over samples. Defaults
 ``document-2``, ``kv`` and ``key-token``, seeds 21000–21003 (12 samples), one thread:
 
     python bench/answer_token_split.py --csv bench/results/answer_token_split.csv
+    python bench/answer_token_split.py --tokens --tasks document-2 \\
+        --csv bench/results/answer_token_split_tokens.csv
 """
 
 from __future__ import annotations
 
+import pandas as pd
 import torch
-from harness import new_seed_samples
+from harness import new_seed_samples, report, samples_parser
 from source_reduce import judged, paired, summarised
 
 from probe import embedding_grad_norms, tasks
+from probe.checks import hf_model
 from probe.target import Target
 
 TASKS = ("document-2", "kv", "key-token")  # answers of 2-3, ~33 and 1 token(s)
@@ -41,23 +45,60 @@ def answer_token(t: int) -> Target:
     return lambda logits, answer: logits[t].log_softmax(-1)[answer[t]]
 
 
-def split_saliency(model, sample: tasks.Sample) -> dict[str, torch.Tensor]:
-    """Per answer token t its own gradient norm n_t,i = ‖∂ log p_t/∂e_i‖₂ (one backward pass each),
-    summed over t: ``"split_saliency"`` Σ_t n_t,i / Σ_j n_t,j (inseq's aggregation) and
-    ``"split_unnormalised"`` Σ_t n_t,i (which tells the split from the normalisation): Tensor[seq] each."""
-    normalised = torch.zeros(len(sample.input_ids))
-    unnormalised = torch.zeros(len(sample.input_ids))
+def answer_token_norms(model, sample: tasks.Sample) -> torch.Tensor:
+    """n_t,i = ‖∂ log p_t/∂e_i‖₂ for each answer token t alone: Tensor[k, seq] (one backward pass each)."""
     k = len(sample.target_positions)
-    for t in range(k):
-        norms = embedding_grad_norms(model, sample.input_ids, sample.target_positions, target=answer_token(t))
-        norms = norms.float().cpu() * k  # the probe differentiates −log p_t / k: back to log p_t
-        unnormalised += norms
-        normalised += norms / norms.sum()
-    return {"split_saliency": normalised, "split_unnormalised": unnormalised}
+    rows = [
+        embedding_grad_norms(model, sample.input_ids, sample.target_positions, target=answer_token(t))
+        for t in range(k)
+    ]
+    return torch.stack(rows).float().cpu() * k  # the probe differentiates −log p_t / k: back to log p_t
 
 
-def main(argv: list[str] | None = None):
-    args, model, _, samples = new_seed_samples(__doc__, argv, TASKS, range(21000, 21004))
+def split_saliency(model, sample: tasks.Sample) -> dict[str, torch.Tensor]:
+    """The answer tokens' own gradient norms n_t,i summed over t: ``"split_saliency"``
+    Σ_t n_t,i / Σ_j n_t,j (inseq's aggregation) and ``"split_unnormalised"`` Σ_t n_t,i (which tells
+    the split from the normalisation): Tensor[seq] each."""
+    norms = answer_token_norms(model, sample)
+    return {
+        "split_saliency": (norms / norms.sum(dim=1, keepdim=True)).sum(dim=0),
+        "split_unnormalised": norms.sum(dim=0),
+    }
+
+
+def answer_tokens(model, tokenizer, task: str, seed: int, sample: tasks.Sample) -> pd.DataFrame:
+    """One row per answer token: its text, p_t in full context, its gradient mass Σ_i n_t,i and the
+    context's share of it, beside the whole answer's gradient mass (that of Σ_t log p_t)."""
+    answer = sample.input_ids[sample.target_positions]
+    with torch.no_grad():
+        logits = hf_model(model)(sample.input_ids[None]).logits[0, sample.target_positions - 1].float()
+    p = logits.softmax(-1).gather(-1, answer[:, None])[:, 0]
+    norms = answer_token_norms(model, sample)
+    k = len(answer)
+    whole = embedding_grad_norms(model, sample.input_ids, sample.target_positions).float().sum().item() * k
+    return pd.DataFrame(
+        {
+            "task": task,
+            "seed": seed,
+            "t": range(k),
+            "token": [tokenizer.decode(i) for i in answer],
+            "p": p.tolist(),
+            "gradient_mass": norms.sum(dim=1).tolist(),
+            "context_share": (norms[:, : sample.prompt_length].sum(dim=1) / norms.sum(dim=1)).tolist(),
+            "whole_gradient_mass": whole,
+        }  # fmt: skip
+    )
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = samples_parser(__doc__)
+    parser.add_argument(
+        "--tokens", action="store_true", help="only the per-answer-token table (answer_tokens), no judging"
+    )
+    args, model, tokenizer, samples = new_seed_samples(__doc__, argv, TASKS, range(21000, 21004), parser)
+    if args.tokens:
+        table = pd.concat([answer_tokens(model, tokenizer, *one) for one in samples], ignore_index=True)
+        return report(table, args.csv)
     rows = []
     for task, seed, sample in samples:
         whole = embedding_grad_norms(model, sample.input_ids, sample.target_positions).float().cpu()

@@ -182,16 +182,17 @@ def new_seed_samples(
     argv: list[str] | None = None,
     task_names: tuple[str, ...] = ("multihop-2", "document-2"),
     seeds: range = range(20000, 20006),
+    parser: argparse.ArgumentParser | None = None,
 ):
     """A check judged outside the held-out study (its samples may prompt a question, never answer it):
     :func:`samples_parser`'s options with new seeds by default (``task_names`` × ``seeds``), one thread.
     Returns ``(args, model, tokenizer, samples)``; ``samples`` yields ``(task, seed, Sample)``, each
-    made when it is reached."""
+    made when it is reached. ``parser``: :func:`samples_parser` with a script's own options added."""
     import torch
 
     from probe import tasks
 
-    parser = samples_parser(doc)
+    parser = parser or samples_parser(doc)
     parser.set_defaults(tasks=list(task_names), seeds=list(seeds))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
