@@ -34,22 +34,17 @@ from source_reduce import judged, paired, summarised
 
 from probe import embedding_grad_norms, tasks
 from probe.checks import hf_model
-from probe.target import Target
+from probe.target import AnswerToken
 
-TASKS = ("document-2", "kv", "key-token")  # answers of 2-3, ~33 and 1 token(s)
+TASKS = ("document-2", "kv", "key-token")  # answers of 3–5, ~33 and 1 token(s)
 BASELINE = ("embedding_grad", "mean")  # longprobe's detector with its default reduction
-
-
-def answer_token(t: int) -> Target:
-    """The target log p(answer token ``t``) alone: ``(logits [k, vocab], answer [k]) -> 0-d``."""
-    return lambda logits, answer: logits[t].log_softmax(-1)[answer[t]]
 
 
 def answer_token_norms(model, sample: tasks.Sample) -> torch.Tensor:
     """n_t,i = ‖∂ log p_t/∂e_i‖₂ for each answer token t alone: Tensor[k, seq] (one backward pass each)."""
     k = len(sample.target_positions)
     rows = [
-        embedding_grad_norms(model, sample.input_ids, sample.target_positions, target=answer_token(t))
+        embedding_grad_norms(model, sample.input_ids, sample.target_positions, target=AnswerToken(t))
         for t in range(k)
     ]
     return torch.stack(rows).float().cpu() * k  # the probe differentiates −log p_t / k: back to log p_t

@@ -9,6 +9,8 @@ the k teacher-forced answer tokens t, at least fp32) and ``answer`` LongTensor[k
 - :class:`Contrast` (``target=Contrast(foil)``): log p(answer) − log p(foil), for a foil answer of the
   same token length scored at the same rows — "why this answer rather than that one" (e.g. the
   interference fact's answer against the supported one), where the plain target asks "why any of it";
+- :class:`AnswerToken` (``target=AnswerToken(t)``): log p of answer token t alone, one token of a
+  multi-token answer at a time;
 - any callable ``(logits, answer) -> 0-d tensor`` (inseq's ``attributed_fn``, captum's ``target``).
 
 Gradient probes differentiate the loss −target / k (for the default: the mean cross-entropy of the
@@ -60,6 +62,40 @@ class Contrast:
         return foil
 
 
+@dataclass(frozen=True)
+class AnswerToken:
+    """log p(answer token ``index`` | x_<t) alone: one token of a multi-token answer explained by itself
+    (``index`` from 0; negative counts from the end). The k targets ``AnswerToken(0..k-1)`` sum to the
+    default, so a gradient probe's k results under them sum to its default result. Why explain the
+    tokens apart: a token the model is sure of (p_t → 1) has ∂ log p_t → 0 and vanishes from the whole
+    answer's gradient, though it may depend on the context as much as the others
+    (``bench/answer_token_split.py``)."""
+
+    index: int
+
+    def __post_init__(self):
+        if isinstance(self.index, bool) or not isinstance(self.index, int):
+            raise InvalidTypeError(
+                f"AnswerToken's index must be an int (0 = the first answer token), got {self.index!r}"
+            )
+
+    def __call__(self, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        t = self.check(answer)
+        return logits[t].log_softmax(-1)[answer[t].to(logits.device)]
+
+    def check(self, answer: torch.Tensor) -> int:
+        """The index as a row of ``answer`` LongTensor[k], refused unless the answer has that token."""
+        k = answer.numel()
+        if not -k <= self.index < k:
+            raise InvalidValueError(
+                f"AnswerToken({self.index}) of an answer of {k} token(s): give an index from {-k} to {k - 1}"
+            )
+        return self.index % k
+
+
+CHECKED = (Contrast, AnswerToken)  # compared by value, checked against each answer before any model work
+
+
 def resolve(target: Target | None) -> Target:
     """``target`` as a callable (``None``: :func:`answer_logprob`), refusing anything else."""
     if target is None:
@@ -91,6 +127,8 @@ def describe(target: Target | None) -> str:
         return "answer_logprob"
     if isinstance(target, Contrast):
         return f"contrast(foil={torch.as_tensor(target.foil).reshape(-1).tolist()})"
+    if isinstance(target, AnswerToken):
+        return f"answer_token({target.index})"
     return getattr(target, "__qualname__", repr(target))
 
 

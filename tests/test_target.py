@@ -11,7 +11,7 @@ from probe import detectors, faithfulness, tasks
 from probe.attribution import embedding_grads
 from probe.key_removal import key_removal_gradient
 from probe.models import converted_folder
-from probe.target import Contrast, answer_logprob
+from probe.target import AnswerToken, Contrast, answer_logprob
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +88,46 @@ def test_detectors_take_the_target_and_record_it(story):
                               {"information_flow": {"target": Contrast(foil)}})  # fmt: skip
 
 
+def test_answer_token_targets_explain_one_token_and_sum_to_the_default():
+    tokenizer = AutoTokenizer.from_pretrained(converted_folder("smollm2-135m"))
+    sample = tasks.make("document-2", tokenizer, 256, seed=3)  # a name: an answer of several tokens
+    model = probe.tiny_model("llama", vocab_size=len(tokenizer)).double()
+    answer, k = sample.input_ids[sample.target_positions], len(sample.target_positions)
+    assert k > 1
+    embeds = model.get_input_embeddings()(sample.input_ids[None]).detach().requires_grad_(True)
+    rows = model(inputs_embeds=embeds, use_cache=False).logits[0, sample.target_positions - 1].double()
+    per_token = []
+    for t in range(k):
+        (expected,) = torch.autograd.grad(
+            -torch.log_softmax(rows[t], -1)[answer[t]] / k, embeds, retain_graph=True
+        )
+        got = embedding_grads(model, sample.input_ids, sample.target_positions, target=AnswerToken(t))
+        torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=1e-4)  # parts of the model run in fp32
+        per_token.append(got)
+    whole = embedding_grads(model, sample.input_ids, sample.target_positions)
+    torch.testing.assert_close(sum(per_token), whole, atol=1e-8, rtol=1e-6)
+    last = faithfulness.answer_scores(model, sample, torch.zeros(1, len(sample.sources), dtype=torch.bool),
+                                      target=AnswerToken(-1)).logprob  # fmt: skip
+    assert float(last[0]) == pytest.approx(
+        float(torch.log_softmax(rows[-1].detach(), -1)[answer[-1]]), abs=1e-6
+    )
+    found = detectors.detect("embedding_grad", model, tokenizer, sample, target=AnswerToken(1))
+    assert found.settings["target"] == "answer_token(1)"
+
+
 def test_bad_targets_are_refused(story):
-    model, _, sample, foil = story
+    model, tokenizer, sample, foil = story
+    untouchable = probe.tiny_model("llama", vocab_size=len(tokenizer))
+    untouchable.forward = None  # refused before any model work, or this fails with a TypeError
     with pytest.raises(ValueError, match="the foil has 2 tokens, the answer 1"):
         embedding_grads(
             model, sample.input_ids, sample.target_positions, target=Contrast(torch.tensor([5, 6]))
         )
+    with pytest.raises(
+        ValueError, match=r"AnswerToken\(1\) of an answer of 1 token\(s\): give an index from -1 to 0"
+    ):
+        detectors.detect("embedding_grad", untouchable, tokenizer, sample, target=AnswerToken(1))
+    with pytest.raises(TypeError, match="AnswerToken's index must be an int"):
+        AnswerToken("0")
     with pytest.raises(TypeError, match="target must be None .* or a callable"):
         embedding_grads(model, sample.input_ids, sample.target_positions, target="contrast")

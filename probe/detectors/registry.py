@@ -29,7 +29,7 @@ from probe.checks import check_layers, check_option, check_sample, check_sample_
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import source_scores
 from probe.results import read_json, reading, write_json
-from probe.target import Contrast, describe
+from probe.target import CHECKED, describe
 from probe.tasks import Sample
 
 
@@ -231,7 +231,7 @@ def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Call
             check_tokenizer(tokenizer, optional=True)  # the sample carries its ids
             check_sample(sample)
             check_answered(sample)
-            if isinstance(options.get("target"), Contrast):  # before any model work
+            if isinstance(options.get("target"), CHECKED):  # before any model work
                 options["target"].check(sample.input_ids[sample.target_positions])
             check_sample_fits(model, sample, tokenizer)
             start = time.perf_counter()

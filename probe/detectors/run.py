@@ -18,7 +18,7 @@ from probe.checks import check_sample, check_sample_fits, check_tokenizer
 from probe.detectors import registry
 from probe.detectors.registry import PASS_OPTIONS, Detection, finished
 from probe.errors import InvalidTypeError, InvalidValueError
-from probe.target import Contrast, describe
+from probe.target import CHECKED, describe
 from probe.tasks import Sample
 
 
@@ -125,13 +125,13 @@ def detect_many(
         check_sample_fits(model, one, tokenizer)
     explaining = [name for name, (how, _) in shared.items() if how.backward]
     given = [options.get(name, {}).get("target") for name in explaining]
-    chosen = {describe(t) if t is None or isinstance(t, Contrast) else id(t): t for t in given}
+    chosen = {describe(t) if t is None or isinstance(t, CHECKED) else id(t): t for t in given}
     if len(chosen) > 1:
         raise InvalidValueError(
             "the detectors of one shared pass explain one target: give each the same target="
         )
     (target,) = chosen.values() if chosen else (None,)
-    for one in samples if isinstance(target, Contrast) else ():  # before any model work
+    for one in samples if isinstance(target, CHECKED) else ():  # before any model work
         target.check(one.input_ids[one.target_positions])
     attributions, start = [None] * len(samples), time.perf_counter()
     if shared:
