@@ -33,7 +33,7 @@ from harness import new_seed_samples, report, samples_parser
 from source_reduce import judged, paired, summarised
 
 from probe import embedding_grad_norms, tasks
-from probe.checks import hf_model
+from probe.logprobs import long_logprobs
 from probe.target import AnswerToken
 
 TASKS = ("document-2", "kv", "key-token")  # answers of 3–5, ~33 and 1 token(s)
@@ -65,9 +65,7 @@ def answer_tokens(model, tokenizer, task: str, seed: int, sample: tasks.Sample) 
     """One row per answer token: its text, p_t in full context, its gradient mass Σ_i n_t,i and the
     context's share of it, beside the whole answer's gradient mass (that of Σ_t log p_t)."""
     answer = sample.input_ids[sample.target_positions]
-    with torch.no_grad():
-        logits = hf_model(model)(sample.input_ids[None]).logits[0, sample.target_positions - 1].float()
-    p = logits.softmax(-1).gather(-1, answer[:, None])[:, 0]
+    p = long_logprobs(model, sample.input_ids, sample.target_positions).target[sample.target_positions].exp()
     norms = answer_token_norms(model, sample)
     k = len(answer)
     whole = embedding_grad_norms(model, sample.input_ids, sample.target_positions).float().sum().item() * k
@@ -81,7 +79,7 @@ def answer_tokens(model, tokenizer, task: str, seed: int, sample: tasks.Sample) 
             "gradient_mass": norms.sum(dim=1).tolist(),
             "context_share": (norms[:, : sample.prompt_length].sum(dim=1) / norms.sum(dim=1)).tolist(),
             "whole_gradient_mass": whole,
-        }  # fmt: skip
+        }
     )
 
 
