@@ -20,6 +20,7 @@ from virtual_device import virtual_device
 import probe
 from probe import detectors, faithfulness, metrics, tasks
 from probe.models import converted_folder
+from probe.target import AnswerToken, Contrast
 
 # Detectors whose settings would make a test of minutes; their passes are the ones tested here.
 SLOW = {"integrated_gradients": {"n_steps": 4}, "context_cite": {"n_masks": 8}, "lsd": {"K": 64, "d": 16}}
@@ -181,3 +182,28 @@ def test_the_other_probes_on_the_device(models, tokenizer, sample):
     for name in ("lsd", "retrieval", "restraint"):
         numbers = expected[name].select_dtypes("number").columns
         pd.testing.assert_frame_equal(found[name][numbers], expected[name][numbers], atol=atol, rtol=1e-3)
+
+
+def test_targets_on_the_device(models, tokenizer, sample):
+    """A contrast and one answer token as ``target=``: gradient detectors and ablations equal the CPU's."""
+    model, moved, context, atol = models
+    answer = sample.input_ids[sample.target_positions]
+    targets = [Contrast((answer + 1) % len(tokenizer)), AnswerToken(-1)]
+    removed = torch.tensor([[False] * len(sample.sources), [True] + [False] * (len(sample.sources) - 1)])
+
+    def run(model) -> list:
+        return [
+            (
+                detectors.detect("information_flow", model, tokenizer, sample, target=target).scores,
+                detectors.detect("key_removal_banzhaf", model, tokenizer, sample, target=target).scores,
+                faithfulness.answer_scores(model, sample, removed, target=target).logprob,
+            )
+            for target in targets
+        ]
+
+    expected = run(model)
+    with context():
+        found = run(moved)
+    for ours, theirs in zip(found, expected, strict=True):
+        for one, other in zip(ours, theirs, strict=True):
+            close(one, other, atol)
