@@ -23,6 +23,17 @@ reduction (longprobe's default), 95 % bootstrap intervals over samples. Defaults
     python bench/answer_token_split.py --csv bench/results/answer_token_split.csv
     python bench/answer_token_split.py --tokens --tasks document-2 \\
         --csv bench/results/answer_token_split_tokens.csv
+
+``--detectors``: the same question for other detectors, on their own source scores (each detector's own
+reduction: the mean, or the sum of an additive one). Per answer token t, the detector's source scores
+under ``target=AnswerToken(t)`` (one shared pass per t for the detectors that read it), each
+L1-normalised over the sources and summed over t (``{name}+split``), judged beside the detector's
+whole-answer scores (``{name}``); ``{name}+split_unnormalised`` (the plain sum over t) is judged only
+for detectors that are not linear in the target — for the additive ones (``grad_times_input``,
+``key_removal_grad``, ``key_removal_banzhaf``) it equals the whole-answer score, which is checked.
+
+    python bench/answer_token_split.py --detectors embedding_grad information_flow grad_times_input \\
+        key_removal_grad key_removal_banzhaf --csv bench/results/answer_token_split_detectors.csv
 """
 
 from __future__ import annotations
@@ -30,9 +41,9 @@ from __future__ import annotations
 import pandas as pd
 import torch
 from harness import new_seed_samples, report, samples_parser
-from source_reduce import judged, paired, summarised
+from source_reduce import KS, MASKS, judged, paired, summarised
 
-from probe import embedding_grad_norms, tasks
+from probe import detectors, embedding_grad_norms, faithfulness, tasks
 from probe.logprobs import long_logprobs
 from probe.target import AnswerToken
 
@@ -83,14 +94,72 @@ def answer_tokens(model, tokenizer, task: str, seed: int, sample: tasks.Sample) 
     )
 
 
+LINEAR = ("grad_times_input", "key_removal_grad", "key_removal_banzhaf")  # additive in the target
+
+
+def split_source_scores(model, tokenizer, sample: tasks.Sample, names: list[str]) -> dict[str, torch.Tensor]:
+    """Each detector's whole-answer source scores and their per-answer-token split: ``name``,
+    ``name+split`` (Σ_t s_t / Σ_j |s_t,j|, s_t Tensor[sources] under ``AnswerToken(t)``) and, for a
+    detector not in :data:`LINEAR`, ``name+split_unnormalised`` (Σ_t s_t): Tensor[sources] each."""
+
+    def source_scores(target=None) -> dict[str, torch.Tensor]:
+        options = {name: {"target": target} for name in names}
+        found = detectors.detect_many(names, model, tokenizer, sample, options)
+        return {name: found[name].source_scores(sample).float() for name in names}
+
+    whole = source_scores()
+    split = [source_scores(AnswerToken(t)) for t in range(len(sample.target_positions))]
+    scores = {}
+    for name in names:
+        each = torch.stack([one[name] for one in split])  # [answer tokens, sources]
+        scores[name] = whole[name]
+        scores[f"{name}+split"] = (each / each.abs().sum(dim=1, keepdim=True)).sum(dim=0)
+        if name in LINEAR:  # the k targets sum to the default: so do the gradients of an additive score
+            torch.testing.assert_close(each.sum(dim=0), whole[name], atol=1e-4, rtol=1e-3)
+        else:
+            scores[f"{name}+split_unnormalised"] = each.sum(dim=0)
+    return scores
+
+
+def judged_sources(model, task: str, seed: int, sample: tasks.Sample, scores: dict) -> pd.DataFrame:
+    """Source scorings (name → Tensor[sources]) judged on the same ablations as :func:`judged`: one row
+    per scoring (``detector`` its name, ``reduce`` "own": the detector's own reduction)."""
+    frame = faithfulness.evaluate(model, sample, scores, ks=KS, n_masks=MASKS, seed=seed)
+    print(task, seed, {name: round(float(value), 2) for name, value in frame.set_index("scorer").lds.items()})
+    return frame.assign(task=task, seed=seed, detector=frame.scorer, reduce="own")[
+        ["task", "seed", "detector", "reduce", "lds", "aopc_comprehensiveness", "aopc_sufficiency",
+         "n_sources", "full_correct"]
+    ]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = samples_parser(__doc__)
     parser.add_argument(
         "--tokens", action="store_true", help="only the per-answer-token table (answer_tokens), no judging"
     )
+    parser.add_argument(
+        "--detectors", nargs="+", choices=detectors.names(), help="split these detectors' source scores"
+    )
     args, model, tokenizer, samples = new_seed_samples(__doc__, argv, TASKS, range(21000, 21004), parser)
     if args.tokens:
         table = pd.concat([answer_tokens(model, tokenizer, *one) for one in samples], ignore_index=True)
+        return report(table, args.csv)
+    if args.detectors:
+        rows = [
+            judged_sources(
+                model, task, seed, sample, split_source_scores(model, tokenizer, sample, args.detectors)
+            )
+            for task, seed, sample in samples
+        ]
+        table = pd.concat(rows, ignore_index=True)
+        summary = pd.concat(
+            [
+                (one := paired(table, (name, "own")))[one.detector.str.startswith(name)]
+                for name in args.detectors
+            ]
+        )
+        print(summary[summary.metric == "lds"].round(3).to_string(index=False))
+        report(summary, args.csv.with_name(args.csv.stem + "_summary.csv") if args.csv else None)
         return report(table, args.csv)
     rows = []
     for task, seed, sample in samples:
