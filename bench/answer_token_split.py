@@ -41,9 +41,9 @@ from __future__ import annotations
 import pandas as pd
 import torch
 from harness import new_seed_samples, report, samples_parser
-from source_reduce import KS, MASKS, judged, paired, summarised
+from source_reduce import judged, judged_sources, paired, summarised
 
-from probe import detectors, embedding_grad_norms, faithfulness, tasks
+from probe import detectors, embedding_grad_norms, tasks
 from probe.logprobs import long_logprobs
 from probe.target import AnswerToken
 
@@ -121,17 +121,6 @@ def split_source_scores(model, tokenizer, sample: tasks.Sample, names: list[str]
     return scores
 
 
-def judged_sources(model, task: str, seed: int, sample: tasks.Sample, scores: dict) -> pd.DataFrame:
-    """Source scorings (name → Tensor[sources]) judged on the same ablations as :func:`judged`: one row
-    per scoring (``detector`` its name, ``reduce`` "own": the detector's own reduction)."""
-    frame = faithfulness.evaluate(model, sample, scores, ks=KS, n_masks=MASKS, seed=seed)
-    print(task, seed, {name: round(float(value), 2) for name, value in frame.set_index("scorer").lds.items()})
-    return frame.assign(task=task, seed=seed, detector=frame.scorer, reduce="own")[
-        ["task", "seed", "detector", "reduce", "lds", "aopc_comprehensiveness", "aopc_sufficiency",
-         "n_sources", "full_correct"]
-    ]  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = samples_parser(__doc__)
     parser.add_argument(
@@ -145,19 +134,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         table = pd.concat([answer_tokens(model, tokenizer, *one) for one in samples], ignore_index=True)
         return report(table, args.csv)
     if args.detectors:
-        rows = [
-            judged_sources(
-                model, task, seed, sample, split_source_scores(model, tokenizer, sample, args.detectors)
+        rows, summary = [], []
+        for task, seed, sample in samples:
+            found = split_source_scores(model, tokenizer, sample, args.detectors)
+            rows.append(
+                judged_sources(model, task, seed, sample, {f"{name}/own": s for name, s in found.items()})
             )
-            for task, seed, sample in samples
-        ]
         table = pd.concat(rows, ignore_index=True)
-        summary = pd.concat(
-            [
-                (one := paired(table, (name, "own")))[one.detector.str.startswith(name)]
-                for name in args.detectors
-            ]
-        )
+        for name in args.detectors:  # each scoring against its own detector's whole-answer scores
+            against = paired(table, (name, "own"))
+            summary.append(against[against.detector.str.split("+").str[0] == name])
+        summary = pd.concat(summary)
         print(summary[summary.metric == "lds"].round(3).to_string(index=False))
         report(summary, args.csv.with_name(args.csv.stem + "_summary.csv") if args.csv else None)
         return report(table, args.csv)

@@ -67,9 +67,15 @@ def judged(
 ) -> pd.DataFrame:
     """Every token scoring (name → Tensor[seq]) reduced three ways and judged on the same ablations:
     one row per (detector, reduction)."""
-    frame = faithfulness.evaluate(
-        model, sample, reduced_scores(token_scores, sample), ks=KS, n_masks=MASKS, seed=seed
-    )
+    return judged_sources(model, task, seed, sample, reduced_scores(token_scores, sample))
+
+
+def judged_sources(
+    model, task: str, seed: int, sample: tasks.Sample, source_scores: dict[str, torch.Tensor]
+) -> pd.DataFrame:
+    """Source scorings (``"detector/reduction"`` → Tensor[sources]) judged on the same 32 random half
+    masks and top-k masks: one row per scoring."""
+    frame = faithfulness.evaluate(model, sample, source_scores, ks=KS, n_masks=MASKS, seed=seed)
     detector, reduce = frame.scorer.str.split("/", expand=True).T.values
     frame = frame.assign(task=task, seed=seed, detector=detector, reduce=reduce)
     lds = frame.set_index("scorer").lds

@@ -161,9 +161,8 @@ def test_detectors_sum_their_first_order_effects_over_sources(tokenizer_sample):
     )
     gradient = key_removal_gradient(model, sample.input_ids, sample.target_positions)
     assert torch.allclose(found["key_removal_grad"].scores, gradient, atol=1e-6)
-    first = sample.sources[
-        0
-    ]  # a source's score is the sum of its tokens' (each checked against the gradient above)
+    # a source's score is the sum of its tokens' (each checked against the gradient above)
+    first = sample.sources[0]
     assert found["key_removal_grad"].details["source_scores"][0] == pytest.approx(
         float(found["key_removal_grad"].scores[first.start : first.end].sum())
     )
