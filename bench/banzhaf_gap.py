@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from harness import load, report
+from harness import intervals, load, report
 from scipy.stats import spearmanr
 
 import probe
@@ -40,7 +40,6 @@ from probe import faithfulness, tasks
 from probe.checks import hf_model
 from probe.key_removal import removal_units
 from probe.modifiers import bias_keys
-from probe.stats import bootstrap
 from probe.target import target_of
 
 DROPS = (0.0, 0.5, 1.0, 2.0, 4.0, 30.0)  # further bias on the top source, from the mean-field point
@@ -130,19 +129,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     table["gap_one_pass"] = table.lds_key_removal_banzhaf - table.lds_leave_one_out
     table["gap_ceiling"] = table.lds_additive_ceiling - table.lds_leave_one_out
-    summary = []
-    for task, group in [("all", table), *table.groupby("task")]:
-        for column in (
-            "gap_one_pass",
-            "gap_ceiling",
-            "rho_one_pass_vs_ceiling",
-            "top_one_pass_share",
-            "drop_beyond_1",
-        ):
-            found = bootstrap(group[column].to_numpy())
-            summary.append({"task": task, "measure": column, "mean": found.value, "low": found.low,
-                            "high": found.high, "samples": len(group)})  # fmt: skip
-    print(pd.DataFrame(summary).round(3).to_string(index=False))
+    measures = [
+        "gap_one_pass",
+        "gap_ceiling",
+        "rho_one_pass_vs_ceiling",
+        "top_one_pass_share",
+        "drop_beyond_1",
+    ]
+    summary = pd.concat(
+        [intervals(table.assign(task="all"), ["task"], measures), intervals(table, ["task"], measures)]
+    )
+    print(summary.round(3).to_string(index=False))
     return report(table, args.csv)
 
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
-from harness import new_seed_samples, report
+from harness import intervals, new_seed_samples, report
 from scipy.stats import spearmanr
 
 import probe
 from probe import tasks
 from probe.graph import attention_modules
 from probe.shared_state import frozen_parameters
-from probe.stats import bootstrap
 from probe.target import target_loss
 
 
@@ -84,12 +83,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             flush=True,
         )
     table = pd.DataFrame(rows)
-    summary = []
-    for (kind, layer), group in table.groupby(["product", "layer"]):
-        found = bootstrap(group.spearman_vs_loo.to_numpy())
-        summary.append({"product": kind, "layer": layer, "spearman_vs_loo": found.value, "low": found.low,
-                        "high": found.high, "samples": len(group)})  # fmt: skip
-    print(pd.DataFrame(summary).round(3).to_string(index=False))
+    print(intervals(table, ["product", "layer"], ["spearman_vs_loo"]).round(3).to_string(index=False))
     return report(table, args.csv)
 
 

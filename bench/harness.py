@@ -144,6 +144,21 @@ def add_ratios(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
     )
 
 
+def intervals(table: pd.DataFrame, by: list[str], measures: list[str]) -> pd.DataFrame:
+    """Each measure's mean over a group's rows (samples) with its 95 % bootstrap interval
+    (:func:`probe.stats.bootstrap`), one row per group of ``by`` and measure: columns ``*by``,
+    ``measure``, ``mean``, ``low``, ``high``, ``samples``."""
+    from probe.stats import bootstrap
+
+    rows = []
+    for keys, group in table.groupby(by):
+        for measure in measures:
+            found = bootstrap(group[measure].to_numpy())
+            rows.append({**dict(zip(by, keys, strict=True)), "measure": measure, "mean": found.value,
+                         "low": found.low, "high": found.high, "samples": len(group)})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
 def report(table: pd.DataFrame, csv: Path | None) -> pd.DataFrame:
     """Print the table and, if asked, write it as CSV (atomically)."""
     print(table.round(3).to_string(index=False))

@@ -14,6 +14,12 @@ main job (32; ``--masks``: as many as the ``--reference`` study used):
 - ``key_removal_grad``: the default (token units), and ``key_removal_grad_by_source`` (sources as
   units: ``key_removal_banzhaf`` at ``presence`` 1);
 - ``key_removal_banzhaf_q{Q}_p{P}``: for each ``--presences`` Q and ``--pairs`` P;
+- ``key_removal_fade_d{D}_s{S}``: for each ``--fades`` D:S, the by-source gradient integrated along
+  the path that fades every source together from the full context (bias 0) to bias −D (presence
+  e^−D), midpoint rule over S points (S passes): Aumann–Shapley on the sources' key biases. Its scores
+  add up to log P(full) − log P(every source at bias −D) (to the rule's error), so a source whose
+  removal is a step (RESULTS.md, the held-out study: why ``key_removal_banzhaf`` falls short on ``kv``
+  and ``document-2``) gets the step where the slope at one point misses it;
 - ``leave_one_out``: exhaustive, with ``--loo`` (one pass per source), else read from the
   ``--reference`` CSV (a ``detector_compare`` faithfulness CSV of the same samples and masks).
 
@@ -26,6 +32,9 @@ LDS.
         --csv bench/results/key_removal_banzhaf.csv           # the sampled estimate
     python bench/key_removal_banzhaf.py --model gemma3-270m --seeds 0 1 2 3 4 5 --loo \
         --csv bench/results/key_removal_banzhaf_gemma3.csv
+    python bench/key_removal_banzhaf.py --model gemma3-270m --tasks kv document-2 multihop-4 \
+        --seeds 22000 22001 22002 22003 --presences 0.5 --fades 8:8 --loo \
+        --csv bench/results/key_removal_fade_gemma3.csv   # the fade path, new seeds
     python bench/key_removal_banzhaf.py --length 4096 --tasks multihop-2 multihop-3 --seeds 0 1 2 3 \
         --presences 0.5 --masks 16 --csv out.csv \
         --reference STUDY/detector_smollm2-135m-4096_faithfulness.csv   # a 4K study's masks
@@ -34,7 +43,9 @@ LDS.
 from __future__ import annotations
 
 import functools
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -42,6 +53,7 @@ import torch
 from harness import load, samples_parser
 
 from probe import detectors, faithfulness, tasks
+from probe.key_removal import key_removal_gradient
 from probe.results import atomic_write
 from probe.stats import bootstrap
 
@@ -51,8 +63,29 @@ REFERENCE = (
 )
 
 
-def scorers(presences: list[float], pairs: list[int], loo: bool) -> dict[str, tuple[str, dict]]:
-    """Scorer name → (detector, options)."""
+def detected(detector: str, options: dict, model, tokenizer, sample: tasks.Sample) -> torch.Tensor:
+    """A registered detector's source scores: Tensor[sources]."""
+    return detectors.detect(detector, model, tokenizer, sample, **options).source_scores(sample)
+
+
+def fade(depth: float, steps: int, model, tokenizer, sample: tasks.Sample) -> torch.Tensor:
+    """Tensor[sources]: ∫ ∂ log P(answer)/∂b_i db over the path on which every source's key bias b goes
+    from 0 to −``depth`` together, midpoint rule over ``steps`` points (each a
+    :func:`~probe.key_removal.key_removal_gradient` at presence e^b), summed over each source's tokens."""
+    spans = [(source.start, source.end) for source in sample.sources]
+    total = torch.zeros(len(sample.input_ids))
+    for point in range(steps):
+        presence = math.exp(-(point + 0.5) / steps * depth)
+        total += key_removal_gradient(
+            model, sample.input_ids, sample.target_positions, sources=spans, presence=presence
+        )
+    return torch.stack([total[start:end].sum() for start, end in spans]) * depth / steps
+
+
+def scorers(
+    presences: list[float], pairs: list[int], fades: list[str], loo: bool
+) -> dict[str, Callable[..., torch.Tensor]]:
+    """Scorer name → its source scores from ``(model, tokenizer, sample)``."""
     chosen = {
         "information_flow": ("information_flow", {}),
         "key_removal_grad": ("key_removal_grad", {}),
@@ -65,13 +98,18 @@ def scorers(presences: list[float], pairs: list[int], loo: bool) -> dict[str, tu
     }
     if loo:
         chosen["leave_one_out"] = ("leave_one_out", {})
-    return chosen
+    found = {name: functools.partial(detected, *chosen[name]) for name in chosen}
+    for spec in fades:
+        depth, steps = spec.split(":")
+        found[f"key_removal_fade_d{depth}_s{steps}"] = functools.partial(fade, float(depth), int(steps))
+    return found
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = samples_parser(__doc__)
     parser.add_argument("--presences", type=float, nargs="+", default=[0.5, 0.25])
     parser.add_argument("--pairs", type=int, nargs="+", default=[0])
+    parser.add_argument("--fades", nargs="*", default=[], metavar="DEPTH:STEPS", help="fade-path variants")
     parser.add_argument("--loo", action="store_true", help="run exhaustive leave-one-out here")
     parser.add_argument("--masks", type=int, default=32, help="LDS masks (seed 0); the reference's number")
     parser.add_argument(
@@ -83,13 +121,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = []
     for seed in args.seeds:
         for task in args.tasks:
-            sample = tasks.make(task, tokenizer, args.length, seed=seed)
+            sample = tasks.make(task, tokenizer, args.length, seed=seed, model=model)
             scores, seconds = {}, {}
-            for name, (detector, options) in scorers(args.presences, args.pairs, args.loo).items():
+            for name, scorer in scorers(args.presences, args.pairs, args.fades, args.loo).items():
                 start = time.perf_counter()
-                found = detectors.detect(detector, model, tokenizer, sample, **options)
+                scores[name] = scorer(model, tokenizer, sample)
                 seconds[name] = time.perf_counter() - start
-                scores[name] = found.source_scores(sample)
             frame = faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=args.masks)
             frame = frame[["scorer", "lds"]].assign(
                 seconds=frame.scorer.map(seconds), model=args.model, length=args.length, task=task, seed=seed
