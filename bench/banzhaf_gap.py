@@ -75,17 +75,14 @@ def sample_row(
     kept_lds = faithfulness.random_masks(n, n_masks, 0.5, mask_seed)
     fit = faithfulness.random_masks(n, 256, 0.5, mask_seed + faithfulness.CEILING_SEED)
     fit = fit[~(fit[:, None] == kept_lds[None]).all(-1).any(-1)]  # as the study: never an LDS mask
-    ceiling = faithfulness.additive_ceiling(fit, outcome(fit))
+    ceiling, actual = faithfulness.additive_ceiling(fit, outcome(fit)), outcome(kept_lds)
     one_pass = probe.detect("key_removal_banzhaf", model, tokenizer, sample).source_scores()
     loo = torch.tensor([full - logprob[tuple(j == i for j in range(n))] for i in range(n)])
     scorers = {"leave_one_out": loo, "additive_ceiling": ceiling, "key_removal_banzhaf": one_pass}
     top = int(ceiling.argmax())
     curve = bias_curve(model, sample, top)
     return {
-        **{
-            f"lds_{name}": faithfulness.lds(score, kept_lds, outcome(kept_lds))
-            for name, score in scorers.items()
-        },
+        **{f"lds_{name}": faithfulness.lds(score, kept_lds, actual) for name, score in scorers.items()},
         "rho_one_pass_vs_ceiling": spearmanr(one_pass, ceiling).statistic,
         "top_source_category": sample.sources[top].category,
         "top_ceiling": float(ceiling[top]),
