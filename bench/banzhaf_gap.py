@@ -73,8 +73,7 @@ def sample_row(
 
     full = logprob[(False,) * n]
     kept_lds = faithfulness.random_masks(n, n_masks, 0.5, mask_seed)
-    fit = faithfulness.random_masks(n, 256, 0.5, mask_seed + faithfulness.CEILING_SEED)
-    fit = fit[~(fit[:, None] == kept_lds[None]).all(-1).any(-1)]  # as the study: never an LDS mask
+    fit = faithfulness.additive_ceiling_masks(kept_lds, 256, seed=mask_seed)  # the study's
     ceiling, actual = faithfulness.additive_ceiling(fit, outcome(fit)), outcome(kept_lds)
     one_pass = probe.detect("key_removal_banzhaf", model, tokenizer, sample).source_scores()
     loo = torch.tensor([full - logprob[tuple(j == i for j in range(n))] for i in range(n)])

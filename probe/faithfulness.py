@@ -218,6 +218,17 @@ def random_masks(n_sources: int, n_masks: int, keep: float = 0.5, seed: int = 0)
     return torch.rand(n_masks, n_sources, generator=generator) < keep
 
 
+def additive_ceiling_masks(
+    kept_lds: torch.Tensor, count: int, keep: float = 0.5, seed: int = 0
+) -> torch.Tensor:
+    """BoolTensor[≤ count, sources] of kept sources the additive ceiling is fit on: ``count`` random
+    masks seeded apart from the LDS masks (``seed`` + :data:`CEILING_SEED`), less any that is one of
+    ``kept_lds`` (BoolTensor[masks, sources], the LDS masks), so the ceiling is never scored on a mask
+    it was fit on."""
+    fit = random_masks(kept_lds.shape[1], count, keep, seed + CEILING_SEED)
+    return fit[~(fit[:, None] == kept_lds[None]).all(-1).any(-1)]
+
+
 def lds(scores: torch.Tensor, kept: torch.Tensor, actual: torch.Tensor) -> float:
     """Linear datamodeling score: Spearman ρ between Σ_{kept} scores and the actual values over masks.
 
@@ -343,8 +354,7 @@ def evaluate(
         target=target,
     )
     if ceiling_masks:
-        fit = random_masks(n_sources, ceiling_masks, keep, seed + CEILING_SEED)
-        fit = fit[~(fit[:, None] == kept_random[None]).all(-1).any(-1)]  # never an LDS mask
+        fit = additive_ceiling_masks(kept_random, ceiling_masks, keep, seed)
         ceiling = additive_ceiling(fit, _known_or_run(~fit, known, run, record).logprob)
         scores = {**scores, "additive_ceiling": ceiling}
     masks = {"full": torch.zeros(1, n_sources, dtype=torch.bool), "random": ~kept_random}

@@ -150,6 +150,16 @@ def test_the_additive_ceiling_recovers_an_additive_model_exactly():
     assert torch.allclose(recovered, weights, atol=1e-3)
 
 
+def test_the_ceilings_masks_are_its_own_draw_less_every_lds_mask():
+    """With 3 sources the 8 possible masks repeat, so the draw meets the LDS masks and drops them."""
+    lds_masks = faithfulness.random_masks(3, 4, seed=2)
+    draw = faithfulness.random_masks(3, 40, seed=2 + faithfulness.CEILING_SEED)
+    lds_rows = {tuple(mask.tolist()) for mask in lds_masks}
+    expected = [mask.tolist() for mask in draw if tuple(mask.tolist()) not in lds_rows]
+    fit = faithfulness.additive_ceiling_masks(lds_masks, 40, seed=2)
+    assert 0 < len(fit) < 40 and fit.tolist() == expected
+
+
 def test_evaluate_fits_the_ceiling_on_its_own_masks_and_shares_are_of_its_lds(model, sample):
     """The ceiling row is :func:`additive_ceiling` of hand-run passes over masks none of which is an
     LDS mask, judged like any scorer; every row's ``lds_share`` is its LDS over the ceiling's."""
