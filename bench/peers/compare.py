@@ -14,7 +14,9 @@ methods scored hours apart, beside another job or across a pause still compare. 
 scores, our scores and each judged sample are files in ``--out``, kept when the run is started again
 with the same settings (``settings.json``; other settings are refused). ``--ablations``: the
 held-out study's saved passes of these samples (``figures/studies/detector_MODEL-1024_*/``): the LDS
-masks, the additive ceiling's and every top-k mask it ran are read, not run again.
+masks, the additive ceiling's and every top-k mask it ran are read, not run again. ``--score-only``
+stops after the scoring, so the scoring can be shared out over cores (one process a core, each its own
+``--peers`` / ``--ours``, none of them a method another is scoring); a last run without it judges.
 
 Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
 per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
@@ -291,13 +293,18 @@ def main() -> None:
         "--ablations", type=Path, default=None,
         help="a held-out study's folder or its *_ablations.csv.gz: its masked passes are not run again",
     )  # fmt: skip
+    parser.add_argument(
+        "--score-only", action="store_true",
+        help="score with --peers and --ours and stop before judging (to share the scoring out over cores)",
+    )  # fmt: skip
     args = parser.parse_args()
     unknown = [spec for spec in args.peers if spec.partition(":")[0] not in PACKAGES]
     if unknown:
         parser.error(f"unknown peers {unknown}; peers: {', '.join(PACKAGES)}")
     torch.set_num_threads(args.threads)
     out = args.out or ROOT / "bench" / "results" / "peers" / f"{args.model}-{args.length}"
-    ignored = ("peers", "ours", "threads", "out", "ablations", "results")  # none of them changes a number
+    # none of them changes a number
+    ignored = ("peers", "ours", "threads", "out", "ablations", "results", "score_only")
     settings = {k: v for k, v in vars(args).items() if k not in ignored}
     settings |= {"clock": "process_time", "runner_args": RUNNER_ARGS}
     (out / "scores").mkdir(parents=True, exist_ok=True)
@@ -319,6 +326,8 @@ def main() -> None:
     for name in args.ours:
         files[name] = (out / "scores" / f"longprobe_{name}.jsonl", "longprobe")
         run_ours(model, tokenizer, samples, name, files[name][0])
+    if args.score_only:
+        return
     methods = {name: exchange.read_scores(path, samples) for name, (path, _) in files.items()}
     failures = [
         {"method": name, "sample": key, "error": error}
