@@ -179,7 +179,7 @@ class RetrievalScores:
             if "scores" in record:
                 return cls(
                     torch.tensor(record["scores"]),
-                    pd.DataFrame.from_dict(record["trials"], orient="tight"),
+                    pd.DataFrame.from_dict(dict(record["trials"]), orient="tight"),
                     record["settings"],
                     [torch.tensor(argmax, dtype=torch.long) for argmax in record["argmax"]],
                 )

@@ -16,7 +16,8 @@ with the same settings (``settings.json``; other settings are refused). ``--abla
 held-out study's saved passes of these samples (``figures/studies/detector_MODEL-1024_*/``): the LDS
 masks, the additive ceiling's and every top-k mask it ran are read, not run again. ``--score-only``
 stops after the scoring, so the scoring can be shared out over cores (one process a core, each its own
-``--peers`` / ``--ours``, none of them a method another is scoring); a last run without it judges.
+``--peers`` / ``--ours``, none of them a method another is scoring); a last run without it judges, and
+so can a second beside it with ``--judge-backwards`` once every method has scored.
 
 Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
 per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
@@ -297,6 +298,11 @@ def main() -> None:
         "--score-only", action="store_true",
         help="score with --peers and --ours and stop before judging (to share the scoring out over cores)",
     )  # fmt: skip
+    parser.add_argument(
+        "--judge-backwards", action="store_true",
+        help="judge the samples last to first: a second process judging beside a first (parts are written"
+        " whole, so the one sample both reach is judged twice, never half)",
+    )  # fmt: skip
     args = parser.parse_args()
     unknown = [spec for spec in args.peers if spec.partition(":")[0] not in PACKAGES]
     if unknown:
@@ -304,7 +310,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = args.out or ROOT / "bench" / "results" / "peers" / f"{args.model}-{args.length}"
     # none of them changes a number
-    ignored = ("peers", "ours", "threads", "out", "ablations", "results", "score_only")
+    ignored = ("peers", "ours", "threads", "out", "ablations", "results", "score_only", "judge_backwards")
     settings = {k: v for k, v in vars(args).items() if k not in ignored}
     settings |= {"clock": "process_time", "runner_args": RUNNER_ARGS}
     (out / "scores").mkdir(parents=True, exist_ok=True)
@@ -335,9 +341,9 @@ def main() -> None:
         for key, error in exchange.failures(path).items()
     ]
     saved = study_ablations(args.ablations, args.model, args.length) if args.ablations else None
-    judged = []
-    for sample in samples:
-        part = out / "judged" / f"{exchange.sample_key(sample)}.csv"
+    parts = {key: out / "judged" / f"{key}.csv" for key in map(exchange.sample_key, samples)}
+    for sample in reversed(samples) if args.judge_backwards else samples:
+        part = parts[exchange.sample_key(sample)]
         if not part.exists():
             known = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
             frame = exchange.judge(
@@ -346,8 +352,7 @@ def main() -> None:
             )  # fmt: skip
             frame["forwards"] = frame.seconds / forward_seconds(model, sample)
             atomic_write(part, lambda tmp, frame=frame: frame.to_csv(tmp, index=False))
-        judged.append(pd.read_csv(part))
-    table = pd.concat(judged, ignore_index=True)
+    table = pd.concat([pd.read_csv(part) for part in parts.values()], ignore_index=True)
     table = table.merge(agreement(methods, args.peers, args.ours), on=["sample", "scorer"], how="left")
     sources = {name: source for name, (_, source) in files.items()} | {"additive_ceiling": "reference"}
     table["source"] = table.scorer.map(sources)
