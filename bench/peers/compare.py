@@ -334,6 +334,12 @@ def main() -> None:
         run_ours(model, tokenizer, samples, name, files[name][0])
     if args.score_only:
         return
+    packages = {spec.partition(":")[0] for spec in args.peers}
+    unnamed = sorted(peer for peer in packages if version(peer) == "?")
+    if unnamed:
+        raise SystemExit(
+            f"no environment for {unnamed}: their versions name their rows; run bench/peers/setup.sh on each"
+        )
     methods = {name: exchange.read_scores(path, samples) for name, (path, _) in files.items()}
     failures = [
         {"method": name, "sample": key, "error": error}
