@@ -307,6 +307,10 @@ def main() -> None:
     unknown = [spec for spec in args.peers if spec.partition(":")[0] not in PACKAGES]
     if unknown:
         parser.error(f"unknown peers {unknown}; peers: {', '.join(PACKAGES)}")
+    packages = {spec.partition(":")[0] for spec in args.peers}
+    unnamed = sorted(peer for peer in packages if version(peer) == "?")
+    if unnamed and not args.score_only:
+        parser.error(f"no environment for {unnamed} (versions name the rows): run bench/peers/setup.sh NAME")
     torch.set_num_threads(args.threads)
     out = args.out or ROOT / "bench" / "results" / "peers" / f"{args.model}-{args.length}"
     # none of them changes a number
@@ -334,12 +338,6 @@ def main() -> None:
         run_ours(model, tokenizer, samples, name, files[name][0])
     if args.score_only:
         return
-    packages = {spec.partition(":")[0] for spec in args.peers}
-    unnamed = sorted(peer for peer in packages if version(peer) == "?")
-    if unnamed:
-        raise SystemExit(
-            f"no environment for {unnamed}: their versions name their rows; run bench/peers/setup.sh on each"
-        )
     methods = {name: exchange.read_scores(path, samples) for name, (path, _) in files.items()}
     failures = [
         {"method": name, "sample": key, "error": error}
