@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -210,11 +211,15 @@ def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detect
     peer = next(row for row in rows if "| peer |" in row).split(" | ")
     assert peer[:3] == ["| m-1024", "peer", "4"] and peer[3].startswith("0.68 [") and peer[4] == "0.75"
     assert peer[5].startswith("-0.08 [") and peer[7:9] == ["2.0", "4.0"] and len(rows) == 4
+    assert found.loc["peer", "aopc_minus_best"] == 0.0 and found.loc["peer", "aopc_comprehensiveness"] == 1.0
     fig = compare.plot(compare.summary(table), "m, 1024 tokens")
-    assert [ax.get_ylabel().split(" (")[0] for ax in fig.axes] == ["LDS", "AOPC of comprehensiveness"]
-    for ax, column in zip(fig.axes, ["lds", "aopc_comprehensiveness"], strict=True):
-        points = {text.get_text(): text.xy for text in ax.texts}
-        assert points == {name: (4.0, found.loc[name, column]) for name in lds}
+    ylabels = [ax.get_ylabel().split(" (")[0] for ax in fig.axes]
+    assert ylabels == ["LDS", "AOPC of comprehensiveness − key_removal_banzhaf's, paired"]
+    for ax, column in zip(fig.axes, ["lds", "aopc_minus_best"], strict=True):
+        assert sorted(text.get_text() for text in ax.texts) == sorted(lds)
+        points = sorted(map(tuple, ax.collections[0].get_offsets().tolist()))
+        expected = sorted((4.0, found.loc[name, column]) for name in lds)
+        assert np.allclose(points, expected)
 
 
 def test_results_peers_table_is_what_the_committed_runs_say():

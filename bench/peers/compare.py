@@ -21,11 +21,11 @@ so can a second beside it with ``--judge-backwards`` once every method has score
 
 Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
 per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
-bootstrap intervals, the paired difference of LDS from :data:`BEST`'s, seconds and forward passes a
-sample, samples scored), ``failures.csv`` and ``lds_vs_cost.png`` (LDS and AOPC of comprehensiveness
-against forward passes; its data: ``summary.csv``). Each peer we re-implement (:data:`COUNTERPARTS`)
-also gets, per sample, the Spearman correlation of its source scores with our re-implementation's
-(``spearman_vs_ours``).
+bootstrap intervals, the paired differences of both from :data:`BEST`'s, seconds and forward passes a
+sample, samples scored), ``failures.csv`` and ``lds_vs_cost.png`` (LDS and the paired AOPC of
+comprehensiveness against forward passes; its data: ``summary.csv``). Each peer we re-implement
+(:data:`COUNTERPARTS`) also gets, per sample, the Spearman correlation of its source scores with our
+re-implementation's (``spearman_vs_ours``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 import torch  # noqa: E402
+from adjustText import adjust_text  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -162,19 +163,34 @@ def forward_seconds(model, sample) -> float:
 
 def summary(table: pd.DataFrame, best: str = BEST) -> pd.DataFrame:
     """Per method: mean LDS and AOPC of comprehensiveness with intervals over samples, its cost, and the
-    paired difference of its LDS from ``best``'s on the samples both scored (``lds_minus_best``: what
-    "within the interval of our best one-pass detector" is decided on)."""
-    lds_by_sample = table.pivot_table(index="sample", columns="scorer", values="lds")
+    paired differences of both from ``best``'s on the samples both scored (``lds_minus_best``: what
+    "within the interval of our best one-pass detector" is decided on; ``aopc_minus_best``: AOPC compared
+    on the same samples, which their raw means are not where a method scored fewer)."""
+    by_sample = {
+        column: table.pivot_table(index="sample", columns="scorer", values=column)
+        for column in ("lds", "aopc_comprehensiveness")
+    }
+
+    def paired(method: str, column: str) -> stats.Estimate:
+        values = by_sample[column]
+        difference = (values[method] - values.get(best, math.nan)).dropna().to_numpy()
+        return (
+            stats.bootstrap(difference)
+            if len(difference)
+            else stats.Estimate(math.nan, math.nan, math.nan, 0)
+        )
+
     rows = []
     for (method, source), group in table.groupby(["scorer", "source"], sort=False):
         lds = stats.bootstrap(group.lds.to_numpy())
         comp = stats.bootstrap(group.aopc_comprehensiveness.to_numpy())
-        paired = (lds_by_sample[method] - lds_by_sample.get(best, math.nan)).dropna().to_numpy()
-        gap = stats.bootstrap(paired) if len(paired) else stats.Estimate(math.nan, math.nan, math.nan, 0)
+        gap, comp_gap = paired(method, "lds"), paired(method, "aopc_comprehensiveness")
         rows.append({"method": method, "source": source, "samples": len(group), "lds": lds.value,
                      "lds_low": lds.low, "lds_high": lds.high, "aopc_comprehensiveness": comp.value,
                      "aopc_low": comp.low, "aopc_high": comp.high, "lds_minus_best": gap.value,
                      "lds_minus_best_low": gap.low, "lds_minus_best_high": gap.high,
+                     "aopc_minus_best": comp_gap.value, "aopc_minus_best_low": comp_gap.low,
+                     "aopc_minus_best_high": comp_gap.high,
                      "lds_share": group.lds_share.mean(), "seconds": group.seconds.mean(),
                      "forwards": group.forwards.mean(),
                      "spearman_vs_ours": group.spearman_vs_ours.mean()})  # fmt: skip
@@ -183,9 +199,9 @@ def summary(table: pd.DataFrame, best: str = BEST) -> pd.DataFrame:
 
 def results_markdown(runs: Path) -> str:
     """RESULTS.md's table of every finished comparison (``runs/MODEL-LENGTH/summary.csv``): per model and
-    method its samples, LDS and its share of the additive ceiling, the paired difference from
-    :data:`BEST`, AOPC of comprehensiveness, CPU seconds and forward passes a sample, and the Spearman
-    correlation with our re-implementation."""
+    method its samples, LDS and its share of the additive ceiling, the paired differences from
+    :data:`BEST`'s of LDS and of AOPC of comprehensiveness, CPU seconds and forward passes a sample, and
+    the Spearman correlation with our re-implementation."""
 
     def interval(value: float, low: float, high: float) -> str:
         return (
@@ -209,39 +225,37 @@ def results_markdown(runs: Path) -> str:
                 f"| {path.parent.name} | {'*' if reference else ''}{row.method}{'*' if reference else ''} "
                 f"| {row.samples} | {interval(row.lds, row.lds_low, row.lds_high)} | {number(row.lds_share)} "
                 f"| {interval(row.lds_minus_best, row.lds_minus_best_low, row.lds_minus_best_high)} "
-                f"| {interval(row.aopc_comprehensiveness, row.aopc_low, row.aopc_high)} "
+                f"| {interval(row.aopc_minus_best, row.aopc_minus_best_low, row.aopc_minus_best_high)} "
                 f"| {number(row.seconds, 1)} | {number(row.forwards, 1)} | {number(row.spearman_vs_ours)} |"
             )
     return "\n".join(lines) if len(lines) > 2 else "(no comparison has finished yet)"
 
 
 def plot(found: pd.DataFrame, title: str) -> plt.Figure:
-    """LDS and AOPC of comprehensiveness against forward-pass equivalents a sample, one point per
-    method, 95 % intervals; the additive ceiling dashed."""
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharex=True)
+    """LDS, and AOPC of comprehensiveness paired with :data:`BEST`'s, against forward-pass equivalents a
+    sample: one point per method, 95 % intervals, labels moved apart (``adjustText``); the additive
+    ceiling dashed."""
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5), sharex=True)
     shown = found[found.forwards.notna()]
     panels = [
         ("lds", "lds_low", "lds_high", "LDS (mean, 95 % CI)"),
-        ("aopc_comprehensiveness", "aopc_low", "aopc_high", "AOPC of comprehensiveness (nats, 95 % CI)"),
-    ]
+        ("aopc_minus_best", "aopc_minus_best_low", "aopc_minus_best_high",
+         f"AOPC of comprehensiveness − {BEST}'s, paired (nats, 95 % CI)"),
+    ]  # fmt: skip
     for ax, (column, low, high, label) in zip(axes, panels, strict=True):
         sns.scatterplot(data=shown, x="forwards", y=column, hue="source", style="source", s=70, ax=ax)
         error = [shown[column] - shown[low], shown[high] - shown[column]]
         ax.errorbar(shown.forwards, shown[column], yerr=error, fmt="none", ecolor="grey", elinewidth=0.8)
-        for row in shown.itertuples():
-            ax.annotate(
-                row.method,
-                (row.forwards, getattr(row, column)),
-                fontsize=7,
-                xytext=(4, 2),
-                textcoords="offset pixels",
-            )
         for ceiling in found.loc[found.method == "additive_ceiling", column]:
             ax.axhline(
                 ceiling, color="darkred", linestyle="--", linewidth=0.8, label="additive ceiling (ref.)"
             )
         ax.set(xscale="log", xlabel="cost: forward-pass equivalents a sample (log)", ylabel=label)
         ax.legend(fontsize=8)
+        labels = [
+            ax.text(row.forwards, getattr(row, column), row.method, fontsize=7) for row in shown.itertuples()
+        ]
+        adjust_text(labels, ax=ax, arrowprops={"arrowstyle": "-", "color": "grey", "lw": 0.5})
     fig.suptitle(title)
     return fig
 
