@@ -37,11 +37,21 @@ from analyses.arguments import add_device_arguments, check_device_arguments, che
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
 from probe import at2, detectors, faithfulness, stats, tasks
-from probe.attribution import answer_attribution
+from probe.attribution import AnswerAttribution, answer_attribution
 
 READ_OFF = ("information_flow", "attention", "embedding_grad", "grad_times_input")
 COMPARED = ("at2", *READ_OFF, "key_removal_grad")
 TRAIN_SEED = 1000
+
+
+def ablation_record(model, sample: tasks.Sample, attribution: AnswerAttribution, n_masks: int) -> dict:
+    """``sample``'s features Tensor[sources, features, layers, heads] from ``attribution``, ``n_masks``
+    random half masks BoolTensor[masks, sources] (True = kept) and the answer's log-probability under
+    each Tensor[masks]."""
+    features = at2.source_features(at2.token_features(attribution), sample)
+    kept = faithfulness.random_masks(len(sample.sources), n_masks, seed=0)
+    logprob = faithfulness.answer_scores(model, sample, ~kept).logprob
+    return {"features": features, "kept": kept, "logprob": logprob}
 
 
 def sample_record(model, tokenizer, task: str, length: int, seed: int, n_masks: int, held_out: bool) -> dict:
@@ -49,10 +59,7 @@ def sample_record(model, tokenizer, task: str, length: int, seed: int, n_masks: 
     held out, the compared detectors' source scores."""
     sample = tasks.make(task, tokenizer, length, seed=seed, model=model)
     attribution = answer_attribution(model, sample.input_ids, sample.target_positions)
-    features = at2.source_features(at2.token_features(attribution), sample)
-    kept = faithfulness.random_masks(len(sample.sources), n_masks, seed=0)
-    logprob = faithfulness.answer_scores(model, sample, ~kept).logprob
-    record = {"features": features, "kept": kept, "logprob": logprob}
+    record = ablation_record(model, sample, attribution, n_masks)
     if held_out:
         found = {name: detectors.from_attribution(name, model, attribution, sample) for name in READ_OFF}
         found["key_removal_grad"] = probe.detect("key_removal_grad", model, tokenizer, sample)

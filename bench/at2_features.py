@@ -1,5 +1,5 @@
-"""Which of AT2's differences from longprobe's ``at2`` costs its LDS: the head features, refit and judged
-on new seeds.
+"""Which of AT2's differences from longprobe's ``at2`` costs its LDS: features, training sources and fit,
+each changed alone, refit and judged on new seeds.
 
 Prompted by the peers' run (issue 37, item 4): AT2 0.0.1's estimator, trained by AT2's own trainer on the
 20 training samples longprobe's ``at2`` learns from, is below ours by LDS −0.29 [−0.39, −0.18] on the 24
@@ -9,29 +9,94 @@ held-out SmolLM2 samples (RESULTS.md, "Peers beside us"). The two differ in (``b
 2. the sources they train on: every token (AT2), the sentences they then score (ours);
 3. the fit: a Pearson loss by Adam, L1-normalised (AT2), ridge with a cross-validated penalty (ours).
 
-This refits longprobe's ridge (:func:`probe.at2.fit`) on the same training samples
-(``analyses.learn_head_weights``' defaults: ``multihop-1`` and ``multihop-2`` at 1K, seeds 1000–1009, 32
-random half masks each) with each feature set — ``both`` (longprobe's ``at2``), ``attention`` (AT2's),
-``saliency`` — and judges the three on new-seed samples of the held-out study's tasks (seeds 23000–23002,
-12 samples; LDS on 32 random half masks of each sample), beside the detectors read off the same pass.
-With the default training settings ``both`` is the bundled ``at2`` (the script prints how far apart).
-Paired differences from ``both``, 95 % bootstrap intervals over samples. If ``attention`` alone falls about
-as far as AT2 did, the features are the cause; if not, the sources or the fit are. One thread:
+This refits on the same training samples (``analyses.learn_head_weights``' defaults: ``multihop-1`` and
+``multihop-2`` at 1K, seeds 1000–1009, 32 random half masks each) with one difference at a time
+(:data:`VARIANTS`): ``both`` is longprobe's ``at2`` (with the default settings, the bundled weights: the
+script prints how far apart), ``attention`` and ``saliency`` a feature set alone, ``tokens`` trains on
+32 random half masks of the sample's tokens (each token of a source a source of its own: AT2's training
+sources), ``Pearson`` fits by :func:`pearson_fit` (AT2's recipe, written here) instead of
+:func:`probe.at2.fit`'s ridge; ``attention, tokens, Pearson`` is AT2's recipe in longprobe's pipeline.
+``AT2's estimator`` applies AT2's trained weights (``bench/peers/at2/estimators/MODEL.pt``, its
+attention features' layout ``[layers · heads]``) to longprobe's attention features: what is left of
+AT2's own run once the weights are fixed. All are judged on new-seed samples of the held-out study's
+tasks (seeds 23000–23002, 12 samples; LDS on 32 random half masks of each sample), beside the detectors
+read off the same pass; paired differences from ``both``, 95 % bootstrap intervals over samples
+(:func:`source_reduce.paired`). One thread:
 
     python bench/at2_features.py --csv bench/results/at2_features.csv
 """
 
 from __future__ import annotations
 
-import pandas as pd
-from harness import new_seed_samples, report, samples_parser
+import dataclasses
+from pathlib import Path
 
-from analyses.learn_head_weights import TRAIN_SEED, sample_record
-from probe import at2, faithfulness, stats
+import pandas as pd
+import torch
+from harness import new_seed_samples, report, samples_parser
+from source_reduce import paired
+
+from analyses.learn_head_weights import TRAIN_SEED, ablation_record, sample_record
+from probe import at2, faithfulness, tasks
+from probe.attribution import answer_attribution
 
 TASKS = ("multihop-4", "kv", "document-2", "key-token")  # the held-out study's
 TRAIN_TASKS = ("multihop-1", "multihop-2")  # analyses.learn_head_weights' defaults
-FEATURES = {"both": [0, 1], "attention": [0], "saliency": [1]}  # indices into token_features' first axis
+ESTIMATORS = Path(__file__).parent / "peers" / "at2" / "estimators"
+# name: (indices into token_features' first axis, training sources, fit)
+VARIANTS = {
+    "both": ([0, 1], "sentences", "ridge"),
+    "attention": ([0], "sentences", "ridge"),
+    "saliency": ([1], "sentences", "ridge"),
+    "attention, tokens": ([0], "tokens", "ridge"),
+    "attention, Pearson": ([0], "sentences", "Pearson"),
+    "attention, tokens, Pearson": ([0], "tokens", "Pearson"),
+}
+
+
+def token_sample(sample: tasks.Sample) -> tasks.Sample:
+    """``sample`` with every token of every source a source of its own (AT2's training sources)."""
+    tokens = {
+        category: [token for start, end in spans for token in range(start, end)]
+        for category, spans in sample.spans.items()
+        if category in tasks.CONTEXT_CATEGORIES
+    }
+    return dataclasses.replace(
+        sample,
+        spans={**sample.spans, **{c: [(t, t + 1) for t in found] for c, found in tokens.items()}},
+        char_spans={
+            **sample.char_spans,
+            **{c: [tuple(map(int, sample.offsets[t])) for t in found] for c, found in tokens.items()},
+        },
+    )
+
+
+def pearson_fit(
+    features: list[torch.Tensor], kept: list[torch.Tensor], logprob: list[torch.Tensor], steps: int = 1000
+) -> torch.Tensor:
+    """Weights Tensor[features, layers, heads] by AT2's recipe (``bench/peers/at2/NOTES.md``, "Training";
+    Cohen-Wang et al. 2025): every weight starts at 1 / F, Adam (lr 10⁻³, cosine schedule over ``steps``,
+    gradient norm clipped at 1) minimises the negative Pearson correlation, averaged over samples, between
+    the surrogate ``kept · features · θ`` and the log-probability over each sample's masks; θ is then
+    L1-normalised. Arguments as :func:`probe.at2.fit`'s (every sample the same number of masks)."""
+    x = torch.stack([k.float() @ f.reshape(len(f), -1).float() for f, k in zip(features, kept, strict=True)])
+    y = torch.stack([lp.float() for lp in logprob])
+    theta = torch.full((x.shape[-1],), 1 / x.shape[-1], requires_grad=True)
+    optimizer = torch.optim.Adam([theta], lr=1e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+
+    def centred(values: torch.Tensor) -> torch.Tensor:
+        return values - values.mean(-1, keepdim=True)
+
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = -torch.nn.functional.cosine_similarity(centred(x @ theta), centred(y), dim=-1).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([theta], 1.0)
+        optimizer.step()
+        schedule.step()
+    theta = theta.detach()
+    return (theta / theta.abs().sum()).reshape(features[0].shape[1:])
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -43,47 +108,49 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     def record(task: str, seed: int, held_out: bool) -> dict:
         return sample_record(model, tokenizer, task, args.length, seed, args.masks, held_out=held_out)
 
-    train = [record(task, TRAIN_SEED + i, False) for task in TRAIN_TASKS for i in range(args.train_samples)]
-    weights = {
-        name: at2.fit(
-            [r["features"][:, index] for r in train],
-            [r["kept"] for r in train],
-            [r["logprob"] for r in train],
-        )[0]
-        for name, index in FEATURES.items()
+    def token_record(task: str, seed: int) -> dict:
+        sample = token_sample(tasks.make(task, tokenizer, args.length, seed=seed, model=model))
+        attribution = answer_attribution(model, sample.input_ids, sample.target_positions)
+        return ablation_record(model, sample, attribution, args.masks)
+
+    seeds = [(task, TRAIN_SEED + i) for task in TRAIN_TASKS for i in range(args.train_samples)]
+    train = {
+        "sentences": [record(task, seed, False) for task, seed in seeds],
+        "tokens": [token_record(task, seed) for task, seed in seeds],
     }
+    weights = {}  # name: (indices into the features' first axis, θ)
+    for name, (index, sources, how) in VARIANTS.items():
+        found = [r["features"][:, index] for r in train[sources]], [r["kept"] for r in train[sources]]
+        logprob = [r["logprob"] for r in train[sources]]
+        weights[name] = index, at2.fit(*found, logprob)[0] if how == "ridge" else pearson_fit(*found, logprob)
     bundled = at2.HeadWeights.bundled(model)
     if bundled is not None:  # the refit `both` is the bundled `at2` where these are its training settings
         print(
             "refit `both` − bundled at2 weights, max |Δ|:",
-            float((weights["both"] - bundled.weights).abs().max()),
+            float((weights["both"][1] - bundled.weights).abs().max()),
         )
+    estimator = ESTIMATORS / f"{args.model}.pt"
+    if estimator.exists():  # AT2's linear map over [layers · heads] attention features
+        own = torch.load(estimator, weights_only=True)["state_dict"]["linear.weight"]
+        weights["AT2's estimator"] = [0], own.reshape(weights["attention"][1].shape)
     rows = []
     for task in args.tasks:
         for seed in args.seeds:
             judged = record(task, seed, True)
             scores = {
-                **{f"at2 ({name})": at2.source_scores(judged["features"][:, index], weights[name])
-                   for name, index in FEATURES.items()},
+                **{f"at2 ({name})": at2.source_scores(judged["features"][:, index], theta)
+                   for name, (index, theta) in weights.items()},
                 **judged["scores"],
             }  # fmt: skip
             for name, value in scores.items():
                 lds = faithfulness.lds(value, judged["kept"], judged["logprob"])
-                rows.append({"task": task, "seed": seed, "scorer": name, "lds": lds})
+                rows.append({"task": task, "seed": seed, "detector": name, "reduce": "own", "lds": lds})
                 print(task, seed, name, round(lds, 3), flush=True)
     per_sample = pd.DataFrame(rows)
-    wide = per_sample.pivot_table(index=["task", "seed"], columns="scorer", values="lds")
-    summary = []
-    for name in wide.columns:
-        value, gap = (
-            stats.bootstrap(wide[name].to_numpy()),
-            stats.bootstrap((wide[name] - wide["at2 (both)"]).to_numpy()),
-        )
-        summary.append({"scorer": name, "samples": value.n, "lds": value.value, "low": value.low,
-                        "high": value.high, "minus_both": gap.value, "minus_both_low": gap.low,
-                        "minus_both_high": gap.high,
-                        **{f"lds_{task}": wide.loc[task, name].mean() for task in args.tasks}})  # fmt: skip
-    return report(pd.DataFrame(summary).sort_values("lds", ascending=False), args.csv)
+    summary = paired(per_sample, ("at2 (both)", "own"))
+    by_task = per_sample.pivot_table(index="detector", columns="task", values="lds").add_prefix("lds_")
+    summary = summary.merge(by_task[[f"lds_{task}" for task in args.tasks]], on="detector")
+    return report(summary.sort_values("value", ascending=False), args.csv)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from probe.stats import bootstrap
 
 TOKEN_LEVEL = ("attention", "information_flow", "embedding_grad", "fr")
 KS = (1, 4)
+METRICS = ("lds", "aopc_comprehensiveness", "aopc_sufficiency")
 MASKS = 32
 
 
@@ -44,11 +45,11 @@ def reduced_scores(token_scores: dict[str, torch.Tensor], sample: tasks.Sample) 
 
 
 def paired(table: pd.DataFrame, against: tuple[str, str] | None = None) -> pd.DataFrame:
-    """Per detector, metric and reduction: the mean over samples [95 % CI] and the paired difference
-    [95 % CI] from the ``against`` (detector, reduction) column — by default each detector's own mean
-    reduction (column ``baseline`` names it)."""
+    """Per detector, metric (those of :data:`METRICS` in ``table``) and reduction: the mean over samples
+    [95 % CI] and the paired difference [95 % CI] from the ``against`` (detector, reduction) column — by
+    default each detector's own mean reduction (column ``baseline`` names it)."""
     rows = []
-    for metric in ("lds", "aopc_comprehensiveness", "aopc_sufficiency"):
+    for metric in (metric for metric in METRICS if metric in table):
         wide = table.pivot_table(index=["task", "seed"], columns=["detector", "reduce"], values=metric)
         for detector, reduce in wide.columns:
             baseline = against or (detector, "mean")
