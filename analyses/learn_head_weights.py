@@ -44,12 +44,11 @@ COMPARED = ("at2", *READ_OFF, "key_removal_grad")
 TRAIN_SEED = 1000
 
 
-def ablation_record(model, sample: tasks.Sample, attribution: AnswerAttribution, n_masks: int) -> dict:
-    """``sample``'s features Tensor[sources, features, layers, heads] from ``attribution``, ``n_masks``
-    random half masks BoolTensor[masks, sources] (True = kept) and the answer's log-probability under
-    each Tensor[masks]."""
+def ablation_record(model, sample: tasks.Sample, attribution: AnswerAttribution, kept: torch.Tensor) -> dict:
+    """``sample``'s features Tensor[sources, features, layers, heads] from ``attribution``, the masks
+    ``kept`` BoolTensor[masks, sources] (True = kept) and the answer's log-probability under each
+    Tensor[masks]."""
     features = at2.source_features(at2.token_features(attribution), sample)
-    kept = faithfulness.random_masks(len(sample.sources), n_masks, seed=0)
     logprob = faithfulness.answer_scores(model, sample, ~kept).logprob
     return {"features": features, "kept": kept, "logprob": logprob}
 
@@ -59,7 +58,8 @@ def sample_record(model, tokenizer, task: str, length: int, seed: int, n_masks: 
     held out, the compared detectors' source scores."""
     sample = tasks.make(task, tokenizer, length, seed=seed, model=model)
     attribution = answer_attribution(model, sample.input_ids, sample.target_positions)
-    record = ablation_record(model, sample, attribution, n_masks)
+    kept = faithfulness.random_masks(len(sample.sources), n_masks, seed=0)
+    record = ablation_record(model, sample, attribution, kept)
     if held_out:
         found = {name: detectors.from_attribution(name, model, attribution, sample) for name in READ_OFF}
         found["key_removal_grad"] = probe.detect("key_removal_grad", model, tokenizer, sample)

@@ -24,6 +24,16 @@ read off the same pass; paired differences from ``both``, 95 % bootstrap interva
 (:func:`source_reduce.paired`). One thread:
 
     python bench/at2_features.py --csv bench/results/at2_features.csv
+
+``--at2-masks``: instead, AT2's recipe on AT2's own training masks (mask i kept each token with probability
+1/2 from ``numpy.random.RandomState(i)``, i = 0..31, as AT2's ``create_masks``) fit by :func:`pearson_fit`
+on the training samples, against AT2's trained estimator (max |Δ| and Spearman of the weights), and, with
+``--at2-training DIR`` (AT2's ``train/MODEL-20-32/features_and_outputs``), AT2's stored training rows of
+the first training sample — ``(2·kept − 1) @ features`` per mask and head, and the logit-probability
+of the answer — against ours on the same masks, per layer:
+
+    python bench/at2_features.py --at2-masks --model gemma3-270m \
+        --at2-training .venv-peers/at2/train/gemma3-270m-20-32/features_and_outputs
 """
 
 from __future__ import annotations
@@ -31,9 +41,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from harness import new_seed_samples, report, samples_parser
+from scipy.stats import pearsonr, spearmanr
 from source_reduce import paired
 
 from analyses.learn_head_weights import TRAIN_SEED, ablation_record, sample_record
@@ -99,21 +111,68 @@ def pearson_fit(
     return (theta / theta.abs().sum()).reshape(features[0].shape[1:])
 
 
+def at2_masks(n_sources: int, n_masks: int) -> torch.Tensor:
+    """BoolTensor[masks, sources] (True = kept): AT2's training masks, mask i drawn by
+    ``RandomState(i)``, each source kept with probability 1/2."""
+    draws = [
+        np.random.RandomState(i).choice([False, True], size=n_sources, p=[0.5, 0.5]) for i in range(n_masks)
+    ]
+    return torch.from_numpy(np.stack(draws))
+
+
+def recipe_check(train: list[dict], estimator: Path, stored: Path | None) -> pd.DataFrame:
+    """AT2's recipe refit on ``train`` (token records on AT2's masks) against AT2's trained weights; with
+    ``stored`` (AT2's ``features_and_outputs`` folder), its first training sample's rows against ours, one
+    row per layer and one for the answer's score."""
+    own = torch.load(estimator, weights_only=True)["state_dict"]["linear.weight"].flatten()
+    features = [r["features"][:, [0]] for r in train]
+    refit = pearson_fit(features, [r["kept"] for r in train], [r["logprob"] for r in train]).flatten()
+    gap, largest = float((refit - own).abs().max()), float(own.abs().max())
+    print(f"AT2's recipe here − AT2's estimator: max |Δ| {gap:.2e} (largest weight {largest:.2e}), "
+          f"Spearman {spearmanr(refit, own)[0]:.4f}")  # fmt: skip
+    if stored is None:
+        return pd.DataFrame()
+
+    def compared(rows: str, ours: np.ndarray, theirs: np.ndarray) -> dict:
+        return {"rows": rows, "max_abs_diff": np.abs(ours - theirs).max(), "largest": np.abs(theirs).max(),
+                "pearson": pearsonr(ours.ravel(), theirs.ravel())[0]}  # fmt: skip
+
+    first = train[0]
+    _, _, layers, heads = first["features"].shape
+    ours = (
+        ((2 * first["kept"].float() - 1) @ first["features"][:, 0].flatten(1))
+        .numpy()
+        .reshape(-1, layers, heads)
+    )
+    theirs = np.load(stored / "features_0_of_1.npy")[0].astype(np.float32).reshape(-1, layers, heads)
+    rows = [compared(f"layer {layer}", ours[:, layer], theirs[:, layer]) for layer in range(layers)]
+    outputs = np.load(stored / "outputs_0_of_1.npy")[0].astype(np.float32)
+    rows.append(compared("answer: log-prob. vs AT2's logit-prob.", first["logprob"].numpy(), outputs))
+    return pd.DataFrame(rows)
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = samples_parser(__doc__)
     parser.add_argument("--train-samples", type=int, default=10, help="per training task, seeds 1000 on")
     parser.add_argument("--masks", type=int, default=32, help="random half masks a sample")
+    parser.add_argument(
+        "--at2-masks", action="store_true", help="AT2's recipe on its own masks vs its weights"
+    )
+    parser.add_argument("--at2-training", type=Path, default=None, help="AT2's features_and_outputs folder")
     args, model, tokenizer, _ = new_seed_samples(__doc__, argv, TASKS, range(23000, 23003), parser)
 
     def record(task: str, seed: int, held_out: bool) -> dict:
         return sample_record(model, tokenizer, task, args.length, seed, args.masks, held_out=held_out)
 
-    def token_record(task: str, seed: int) -> dict:
+    def token_record(task: str, seed: int, masks=faithfulness.random_masks) -> dict:
         sample = token_sample(tasks.make(task, tokenizer, args.length, seed=seed, model=model))
         attribution = answer_attribution(model, sample.input_ids, sample.target_positions)
-        return ablation_record(model, sample, attribution, args.masks)
+        return ablation_record(model, sample, attribution, masks(len(sample.sources), args.masks))
 
     seeds = [(task, TRAIN_SEED + i) for task in TRAIN_TASKS for i in range(args.train_samples)]
+    if args.at2_masks:
+        train = [token_record(task, seed, at2_masks) for task, seed in seeds]
+        return report(recipe_check(train, ESTIMATORS / f"{args.model}.pt", args.at2_training), args.csv)
     train = {
         "sentences": [record(task, seed, False) for task, seed in seeds],
         "tokens": [token_record(task, seed) for task, seed in seeds],
