@@ -28,8 +28,9 @@ read off the same pass; paired differences from ``both``, 95 % bootstrap interva
 ``--at2-masks``: instead, AT2's recipe on AT2's own training masks (mask i kept each token with probability
 1/2 from ``numpy.random.RandomState(i)``, i = 0..31, as AT2's ``create_masks``) fit by :func:`pearson_fit`
 on the training samples, against AT2's trained estimator (max |Δ| and Spearman of the weights), and, with
-``--at2-training DIR`` (AT2's ``train/MODEL-20-32/features_and_outputs``), AT2's stored training rows of
-the first training sample — ``(2·kept − 1) @ features`` per mask and head, and the logit-probability
+``--at2-training DIR`` (AT2's ``train/MODEL-20-32/features_and_outputs``), :func:`pearson_weights` on
+AT2's own stored rows against its estimator (is the optimiser the same?) and AT2's stored training rows
+of the first training sample — ``(2·kept − 1) @ features`` per mask and head, and the logit-probability
 of the answer — against ours on the same masks, per layer:
 
     python bench/at2_features.py --at2-masks --model gemma3-270m \
@@ -83,16 +84,12 @@ def token_sample(sample: tasks.Sample) -> tasks.Sample:
     )
 
 
-def pearson_fit(
-    features: list[torch.Tensor], kept: list[torch.Tensor], logprob: list[torch.Tensor], steps: int = 1000
-) -> torch.Tensor:
-    """Weights Tensor[features, layers, heads] by AT2's recipe (``bench/peers/at2/NOTES.md``, "Training";
-    Cohen-Wang et al. 2025): every weight starts at 1 / F, Adam (lr 10⁻³, cosine schedule over ``steps``,
-    gradient norm clipped at 1) minimises the negative Pearson correlation, averaged over samples, between
-    the surrogate ``kept · features · θ`` and the log-probability over each sample's masks; θ is then
-    L1-normalised. Arguments as :func:`probe.at2.fit`'s (every sample the same number of masks)."""
-    x = torch.stack([k.float() @ f.reshape(len(f), -1).float() for f, k in zip(features, kept, strict=True)])
-    y = torch.stack([lp.float() for lp in logprob])
+def pearson_weights(x: torch.Tensor, y: torch.Tensor, steps: int = 1000) -> torch.Tensor:
+    """Weights Tensor[F] by AT2's recipe (``bench/peers/at2/NOTES.md``, "Training"; Cohen-Wang et al.
+    2025) from regression rows ``x`` [samples, masks, F] and targets ``y`` [samples, masks]: every weight
+    starts at 1 / F, Adam (lr 10⁻³, cosine schedule over ``steps``, gradient norm clipped at 1) minimises
+    the negative Pearson correlation of ``x · θ`` with ``y`` over each sample's masks, averaged over
+    samples; θ is then L1-normalised."""
     theta = torch.full((x.shape[-1],), 1 / x.shape[-1], requires_grad=True)
     optimizer = torch.optim.Adam([theta], lr=1e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
@@ -108,7 +105,17 @@ def pearson_fit(
         optimizer.step()
         schedule.step()
     theta = theta.detach()
-    return (theta / theta.abs().sum()).reshape(features[0].shape[1:])
+    return theta / theta.abs().sum()
+
+
+def pearson_fit(
+    features: list[torch.Tensor], kept: list[torch.Tensor], logprob: list[torch.Tensor]
+) -> torch.Tensor:
+    """Weights Tensor[features, layers, heads] by :func:`pearson_weights` on the rows ``kept · features``
+    of each sample's masks; arguments as :func:`probe.at2.fit`'s (every sample the same number of masks)."""
+    x = torch.stack([k.float() @ f.reshape(len(f), -1).float() for f, k in zip(features, kept, strict=True)])
+    y = torch.stack([lp.float() for lp in logprob])
+    return pearson_weights(x, y).reshape(features[0].shape[1:])
 
 
 def at2_masks(n_sources: int, n_masks: int) -> torch.Tensor:
@@ -132,6 +139,11 @@ def recipe_check(train: list[dict], estimator: Path, stored: Path | None) -> pd.
           f"Spearman {spearmanr(refit, own)[0]:.4f}")  # fmt: skip
     if stored is None:
         return pd.DataFrame()
+    rows, outputs = (
+        np.load(stored / f"{name}_0_of_1.npy").astype(np.float32) for name in ("features", "outputs")
+    )
+    again = pearson_weights(torch.from_numpy(rows), torch.from_numpy(outputs)) - own
+    print(f"pearson_weights on AT2's stored rows − AT2's estimator: max |Δ| {float(again.abs().max()):.2e}")
 
     def compared(rows: str, ours: np.ndarray, theirs: np.ndarray) -> dict:
         return {"rows": rows, "max_abs_diff": np.abs(ours - theirs).max(), "largest": np.abs(theirs).max(),
@@ -144,11 +156,10 @@ def recipe_check(train: list[dict], estimator: Path, stored: Path | None) -> pd.
         .numpy()
         .reshape(-1, layers, heads)
     )
-    theirs = np.load(stored / "features_0_of_1.npy")[0].astype(np.float32).reshape(-1, layers, heads)
-    rows = [compared(f"layer {layer}", ours[:, layer], theirs[:, layer]) for layer in range(layers)]
-    outputs = np.load(stored / "outputs_0_of_1.npy")[0].astype(np.float32)
-    rows.append(compared("answer: log-prob. vs AT2's logit-prob.", first["logprob"].numpy(), outputs))
-    return pd.DataFrame(rows)
+    theirs = rows[0].reshape(-1, layers, heads)
+    table = [compared(f"layer {layer}", ours[:, layer], theirs[:, layer]) for layer in range(layers)]
+    table.append(compared("answer: log-prob. vs AT2's logit-prob.", first["logprob"].numpy(), outputs[0]))
+    return pd.DataFrame(table)
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
