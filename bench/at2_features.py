@@ -127,11 +127,19 @@ def at2_masks(n_sources: int, n_masks: int) -> torch.Tensor:
     return torch.from_numpy(np.stack(draws))
 
 
-def recipe_check(train: list[dict], estimator: Path, stored: Path | None) -> pd.DataFrame:
-    """AT2's recipe refit on ``train`` (token records on AT2's masks) against AT2's trained weights; with
-    ``stored`` (AT2's ``features_and_outputs`` folder), its first training sample's rows against ours, one
-    row per layer and one for the answer's score."""
-    own = torch.load(estimator, weights_only=True)["state_dict"]["linear.weight"].flatten()
+def at2_estimator(model: str) -> torch.Tensor | None:
+    """AT2's trained weights for ``model`` (``estimators/MODEL.pt``) as Tensor[layers · heads], its
+    attention features' layout; ``None`` where none was trained."""
+    path = ESTIMATORS / f"{model}.pt"
+    if not path.exists():
+        return None
+    return torch.load(path, weights_only=True)["state_dict"]["linear.weight"].flatten()
+
+
+def recipe_check(train: list[dict], own: torch.Tensor, stored: Path | None) -> pd.DataFrame:
+    """AT2's recipe refit on ``train`` (token records on AT2's masks) against AT2's trained weights ``own``
+    (:func:`at2_estimator`); with ``stored`` (AT2's ``features_and_outputs`` folder), its first training
+    sample's rows against ours, one row per layer and one for the answer's score."""
     features = [r["features"][:, [0]] for r in train]
     refit = pearson_fit(features, [r["kept"] for r in train], [r["logprob"] for r in train]).flatten()
     gap, largest = float((refit - own).abs().max()), float(own.abs().max())
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     seeds = [(task, TRAIN_SEED + i) for task in TRAIN_TASKS for i in range(args.train_samples)]
     if args.at2_masks:
         train = [token_record(task, seed, at2_masks) for task, seed in seeds]
-        return report(recipe_check(train, ESTIMATORS / f"{args.model}.pt", args.at2_training), args.csv)
+        return report(recipe_check(train, at2_estimator(args.model), args.at2_training), args.csv)
     train = {
         "sentences": [record(task, seed, False) for task, seed in seeds],
         "tokens": [token_record(task, seed) for task, seed in seeds],
@@ -199,9 +207,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             "refit `both` − bundled at2 weights, max |Δ|:",
             float((weights["both"][1] - bundled.weights).abs().max()),
         )
-    estimator = ESTIMATORS / f"{args.model}.pt"
-    if estimator.exists():  # AT2's linear map over [layers · heads] attention features
-        own = torch.load(estimator, weights_only=True)["state_dict"]["linear.weight"]
+    own = at2_estimator(args.model)
+    if own is not None:
         weights["AT2's estimator"] = [0], own.reshape(weights["attention"][1].shape)
     rows = []
     for task in args.tasks:
