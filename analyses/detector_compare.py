@@ -369,6 +369,25 @@ def study_folder(args: argparse.Namespace) -> Path:
     return Path("figures") / "studies" / f"detector_{Path(args.model).name}-{args.length}_{digest}"
 
 
+def detector_options(
+    names: list[str],
+    length: int,
+    seed: int,
+    loo_top_m: int | None = None,
+    top_k: int = 30,
+    lsd_k: int | None = None,
+) -> dict[str, dict]:
+    """The study's options of each detector of ``names`` at ``length`` tokens: LSD's short context
+    (``lsd_k``, default a quarter of the length), leave-one-out's ``top_m`` (None: exhaustive), the
+    top-k sets' ``top_k``, and masks for ``context_cite`` and ``key_removal_banzhaf`` drawn from
+    ``seed + 1``, so that they differ from the LDS masks (``seed``)."""
+    lsd_k = length // 4 if lsd_k is None else lsd_k
+    options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
+    options["context_cite"] = options["key_removal_banzhaf"] = {"seed": seed + 1}
+    options["leave_one_out"] = {"top_m": loo_top_m}
+    return options | {name: {"top_k": top_k} for name in names if "top_k" in detectors.options(name)}
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     out = args.out or study_folder(args)
@@ -380,12 +399,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             f"--length {args.length} (+ the answer) exceeds {args.model}'s context of {context} tokens"
         )
 
-    lsd_k = args.length // 4 if args.lsd_k is None else args.lsd_k
-    options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
-    # their random masks must differ from the LDS masks (seed)
-    options["context_cite"] = options["key_removal_banzhaf"] = {"seed": args.seed + 1}
-    options["leave_one_out"] = {"top_m": args.loo_top_m}
-    options |= {name: {"top_k": args.top_k} for name in names if "top_k" in detectors.options(name)}
+    options = detector_options(names, args.length, args.seed, args.loo_top_m, args.top_k, args.lsd_k)
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]
     tag = f"{Path(args.model).name}-{args.length}"
