@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def costs(model, tokenizer, sample: tasks.Sample, names: list[str], device: str) -> list[dict]:
     """One row per method (``forward``, then each of ``names``) on ``sample``: :func:`harness.measure`'s
-    seconds and peak memory of its second run."""
+    seconds and peak memory of its second run, or the error where it runs out of memory."""
     import torch
 
     options = detector_options(names, len(sample.input_ids), seed=sample.seed)
@@ -65,12 +65,13 @@ def costs(model, tokenizer, sample: tasks.Sample, names: list[str], device: str)
     }
     rows = []
     for method, run in runs.items():
-        found = measure(run, run, device)[0]
+        try:
+            found = measure(run, run, device)[0]
+        except torch.OutOfMemoryError as error:  # a row that says so; the other detectors still run
+            found = {"error": f"out of memory: {str(error).splitlines()[0]}"}
+            torch.cuda.empty_cache()
         rows.append({"method": method, **found})
-        print(
-            f"{len(ids[0]):>6} {method:<21} {found['seconds']:9.3f} s {found['peak_mib']:9.0f} MiB",
-            flush=True,
-        )
+        print(f"{len(ids[0]):>6} {method:<21} {found}", flush=True)
     return rows
 
 
