@@ -47,12 +47,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def costs(model, tokenizer, sample: tasks.Sample, names: list[str], device: str) -> list[dict]:
-    """One row per method (``forward``, then each of ``names``) on ``sample``: :func:`harness.measure`'s
-    seconds and peak memory of its second run, or the error where it runs out of memory."""
+def costs(model, tokenizer, sample: tasks.Sample, options: dict[str, dict], device: str) -> list[dict]:
+    """One row per method (``forward``, then each detector of ``options``, name → its options) on
+    ``sample``: :func:`harness.measure`'s seconds and peak memory of its second run, or the error
+    where it runs out of memory."""
     import torch
 
-    options = detector_options(names, len(sample.input_ids), seed=sample.seed)
     ids = sample.input_ids[None].to(device)
 
     def forward() -> None:
@@ -60,8 +60,8 @@ def costs(model, tokenizer, sample: tasks.Sample, names: list[str], device: str)
             model(input_ids=ids, use_cache=False)
 
     runs = {"forward": forward} | {
-        name: functools.partial(detectors.detect, name, model, tokenizer, sample, **options.get(name, {}))
-        for name in names
+        name: functools.partial(detectors.detect, name, model, tokenizer, sample, **found)
+        for name, found in options.items()
     }
     rows = []
     for method, run in runs.items():
@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for length in args.lengths:
         sample = tasks.make(args.task, tokenizer, length, seed=args.seed, model=model)
         about = {"length": length, "tokens": len(sample.input_ids), "sources": len(sample.sources)}
-        rows += [about | row for row in costs(model, tokenizer, sample, args.detectors, args.device)]
+        found = detector_options(args.detectors, length, args.seed)
+        options = {name: found.get(name, {}) for name in args.detectors}
+        rows += [about | row for row in costs(model, tokenizer, sample, options, args.device)]
     setting = {"model": args.model, "task": args.task, "device": args.device, "dtype": str(model.dtype)}
     table = add_ratios(pd.DataFrame(rows).assign(**setting), "forward")
     return report(table, args.csv)
