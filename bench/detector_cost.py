@@ -4,11 +4,12 @@ measured in one invocation on one machine.
 For each length, one sample of ``--task`` (a held-out task by default) is made and every detector of
 the registry (``--detectors``) runs on it with the held-out study's options
 (:func:`analyses.detector_compare.detector_options`: exhaustive leave-one-out, LSD's K = length / 4,
-``context_cite`` and ``key_removal_banzhaf`` with their default masks). Each detector runs twice; the
-second run is timed (:func:`harness.measure`: synchronized time and ``torch.cuda.max_memory_allocated``
-above the loaded model on a GPU, peak RSS above the warmed-up process on the CPU, where memory the
-first run left cached is not counted). ``forward`` (one no-grad pass over the sample) is the baseline
-of the ratios: ``time_vs_forward`` is a detector's cost in forward-pass equivalents on this machine.
+``context_cite`` and ``key_removal_banzhaf`` with their default numbers of masks). Each detector runs
+twice; the second run is timed (:func:`harness.measure`: synchronized time and
+``torch.cuda.max_memory_allocated`` above the loaded model on a GPU, peak RSS above the warmed-up
+process on the CPU, where memory the first run left cached is not counted). ``forward`` (one no-grad
+pass over the sample) is the baseline of the ratios: ``time_vs_forward`` is a detector's cost in
+forward-pass equivalents on this machine.
 
 The CPU's costs of the real models come from the held-out study itself (its ``seconds`` column); this
 script is for a machine where those runs are not made, e.g. a GPU with a random model of a published
@@ -60,8 +61,8 @@ def costs(model, tokenizer, sample: tasks.Sample, options: dict[str, dict], devi
             model(input_ids=ids, use_cache=False)
 
     runs = {"forward": forward} | {
-        name: functools.partial(detectors.detect, name, model, tokenizer, sample, **found)
-        for name, found in options.items()
+        name: functools.partial(detectors.detect, name, model, tokenizer, sample, **given)
+        for name, given in options.items()
     }
     rows = []
     for method, run in runs.items():
@@ -88,8 +89,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for length in args.lengths:
         sample = tasks.make(args.task, tokenizer, length, seed=args.seed, model=model)
         about = {"length": length, "tokens": len(sample.input_ids), "sources": len(sample.sources)}
-        found = detector_options(args.detectors, length, args.seed)
-        options = {name: found.get(name, {}) for name in args.detectors}
+        study = detector_options(args.detectors, length, args.seed)
+        options = {name: study.get(name, {}) for name in args.detectors}
         rows += [about | row for row in costs(model, tokenizer, sample, options, args.device)]
     setting = {"model": args.model, "task": args.task, "device": args.device, "dtype": str(model.dtype)}
     table = add_ratios(pd.DataFrame(rows).assign(**setting), "forward")
