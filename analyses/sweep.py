@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
@@ -85,20 +86,41 @@ def sweep(
 
 def check_settings(parts: Path, settings: dict, resume: bool, main: bool) -> None:
     """Keep the settings a sweep's parts were made with in ``{parts}/settings.json`` and refuse to
-    resume with other ones (the rows of both would mix in one table), naming what differs."""
+    resume with other ones (the rows of both would mix in one table), naming what differs.
+
+    A resume that finds no parts runs every job, and says so, naming the runs beside it (other
+    outputs' ``parts`` folders of the same name) that wait with other settings: a study whose
+    folder is named by its settings starts a new folder when one option is mistyped."""
     path = parts / "settings.json"
     wanted = json.loads(json.dumps(settings, default=str))
     if resume and path.exists():
-        found = json.loads(path.read_text())
-        differ = sorted(key for key in wanted.keys() | found.keys() if wanted.get(key) != found.get(key))
-        if differ:
-            changes = "; ".join(f"{key}: {found.get(key)!r} then, {wanted.get(key)!r} now" for key in differ)
+        changes = settings_difference(json.loads(path.read_text()), wanted)
+        if changes:
             raise SystemExit(
                 f"--resume with other settings than the parts in {parts} were made with ({changes}): "
                 "run without --resume to start over, or with the same settings"
             )
-    elif main:
+        return
+    if resume and main:
+        beside = sorted(set(parts.parent.parent.glob(f"*/{parts.name}/settings.json")) - {path})
+        differences = [settings_difference(json.loads(other.read_text()), wanted) for other in beside]
+        waiting = "".join(
+            f"\n  {other.parent} ({difference or 'the same settings'})"
+            for other, difference in zip(beside, differences, strict=True)
+        )
+        warnings.warn(
+            f"--resume: no parts in {parts}, every job runs"
+            + (f"; parts made with other settings wait in:{waiting}" if waiting else ""),
+            stacklevel=3,
+        )
+    if main:
         atomic_write(path, lambda tmp: tmp.write_text(json.dumps(wanted, indent=1, sort_keys=True)))
+
+
+def settings_difference(then: dict, now: dict) -> str:
+    """What differs between the settings of two runs: ``"key: <then> then, <now> now; ..."``, or ``""``."""
+    differ = sorted(key for key in then.keys() | now.keys() if then.get(key) != now.get(key))
+    return "; ".join(f"{key}: {then.get(key)!r} then, {now.get(key)!r} now" for key in differ)
 
 
 def process_state() -> PartialState:

@@ -200,26 +200,50 @@ def test_other_settings_write_to_a_study_folder_of_their_own():
     assert study.parent == other.parent == Path("figures/studies") and study != other
 
 
+def killed_in_the_second_task(monkeypatch) -> None:
+    """``compare_samples`` from now on stops the run (as a kill would) when it reaches ``multihop-2``."""
+    compare = detector_compare.compare_samples
+
+    def killed(model, tokenizer, samples, *args, **kwargs):
+        if samples[0].task == "multihop-2":
+            raise KeyboardInterrupt
+        return compare(model, tokenizer, samples, *args, **kwargs)
+
+    monkeypatch.setattr(detector_compare, "compare_samples", killed)
+
+
 def test_a_resume_after_the_default_detectors_changed_is_refused(tiny_model_folder, tmp_path, monkeypatch):
     """The parts record the detectors that ran, not "the default": a resume under another default set
     would add rows of other detectors to some samples only."""
     argv = ["--model", str(tiny_model_folder), "--length", "192", "--samples", "1", "--masks", "4"]
     argv += ["--ks", "1", "--tasks", "multihop-1", "multihop-2", "--out", str(tmp_path)]
-    compare = detector_compare.compare_samples
-
-    def killed_in_the_second_task(model, tokenizer, samples, *args, **kwargs):
-        if samples[0].task == "multihop-2":
-            raise KeyboardInterrupt
-        return compare(model, tokenizer, samples, *args, **kwargs)
-
     monkeypatch.setattr(detector_compare, "DEFAULT_DETECTORS", ["attention", "recency"])
-    monkeypatch.setattr(detector_compare, "compare_samples", killed_in_the_second_task)
-    with pytest.raises(KeyboardInterrupt):
-        detector_compare.main(argv)
-    monkeypatch.setattr(detector_compare, "compare_samples", compare)
+    with monkeypatch.context() as killing:
+        killed_in_the_second_task(killing)
+        with pytest.raises(KeyboardInterrupt):
+            detector_compare.main(argv)
     monkeypatch.setattr(detector_compare, "DEFAULT_DETECTORS", ["attention", "recency", "lexical_overlap"])
     with pytest.raises(SystemExit, match=r"detectors: \['attention', 'recency'\] then"):
         detector_compare.main([*argv, "--resume"])
+
+
+def test_a_resume_whose_settings_name_another_study_folder_says_where_the_parts_wait(
+    tiny_model_folder, tmp_path, monkeypatch
+):
+    """A study's folder is named by its settings: a resume with one detector left out finds no parts
+    in its own folder, runs every sample, and says which folder holds the killed run and what differs."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", str(tiny_model_folder), "--length", "192", "--samples", "1", "--masks", "4"]
+    argv += ["--ks", "1", "--tasks", "multihop-1", "multihop-2", "--resume", "--detectors", "attention"]
+    killed_in_the_second_task(monkeypatch)
+    with pytest.warns(UserWarning, match="every job runs$"), pytest.raises(KeyboardInterrupt):
+        detector_compare.main([*argv, "recency"])  # nothing to resume, and nothing beside it
+    (killed,) = Path("figures/studies").iterdir()
+    with pytest.warns(UserWarning, match="every job runs") as warned, pytest.raises(KeyboardInterrupt):
+        detector_compare.main(argv)
+    message = str(warned[0].message)
+    assert str(killed) in message
+    assert "detectors: ['attention', 'recency'] then, ['attention'] now" in message
 
 
 def test_the_held_out_settings_run_end_to_end_with_the_ceiling(tiny_model_folder, tmp_path):
