@@ -110,7 +110,7 @@ def check_settings(parts: Path, settings: dict, resume: bool, main: bool) -> Non
         )
         warnings.warn(
             f"--resume: no parts in {parts}, every job runs"
-            + (f"; parts made with other settings wait in:{waiting}" if waiting else ""),
+            + (f"; parts of other runs wait in:{waiting}" if waiting else ""),
             stacklevel=3,
         )
     if main:
