@@ -109,14 +109,13 @@ def runner_command(spec: str, exported: Path, out: Path, threads: int) -> list[s
 
 
 def run_peer(spec: str, exported: Path, out: Path, threads: int) -> None:
-    """Run peer ``spec``'s runner in its environment, its answers to ``out`` (skipped if there)."""
+    """Run peer ``spec``'s runner in its environment, its answers to ``out`` (skipped if there). A peer
+    with no environment is skipped with a word and nothing written, so that a later run scores it."""
     if out.exists():
         return
     command = runner_command(spec, exported, out, threads)
     if not Path(command[0]).exists():
-        keys = [json.loads(line)["key"] for line in exported.read_text().splitlines()]
-        error = f"no environment: run bench/peers/setup.sh {spec.partition(':')[0]}"
-        out.write_text("".join(json.dumps({"key": key, "error": error}) + "\n" for key in keys))
+        print(f"{spec}: skipped, no environment (run bench/peers/setup.sh {spec.partition(':')[0]})")
         return
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
