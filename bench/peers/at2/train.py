@@ -10,8 +10,9 @@ logit-probability of the answer as the target, the Pearson-correlation loss, Ada
 schedule for 1000 steps. Changed (NOTES.md): the answers are the exported ones (written as the trainer's
 "generations", so it generates nothing), the answer is one target (``split_target_by=None``: nltk's
 sentence data is unreachable and every answer is a few words), and a batch holds every sample (AT2's 512
-needs 512 samples). Its work files go to ``.venv-peers/at2/train/MODEL-SAMPLES-MASKS`` (resumable);
-the estimator to ``estimators/MODEL.pt``.
+needs 512 samples). Its work files go to ``bench/results/peers/at2_train/MODEL-SAMPLES-MASKS``
+(resumable; small — AT2 keeps a sample's 32 masks of features in float16 — and committed as the passes
+finish, so a run of hours resumes on a new machine); the estimator to ``estimators/MODEL.pt``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from at2 import AT2Trainer
 from datasets import Dataset
 from run import ESTIMATORS, ExportedTask, feature_extractor, here, load
 
-WORK = here.parent.parent.parent / ".venv-peers" / "at2" / "train"
+WORK = here.parent.parent.parent / "bench" / "results" / "peers" / "at2_train"
 
 
 def main() -> None:
