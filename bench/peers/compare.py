@@ -109,14 +109,10 @@ def runner_command(spec: str, exported: Path, out: Path, threads: int) -> list[s
 
 
 def run_peer(spec: str, exported: Path, out: Path, threads: int) -> None:
-    """Run peer ``spec``'s runner in its environment, its answers to ``out`` (skipped if there). A peer
-    with no environment is skipped with a word and nothing written, so that a later run scores it."""
+    """Run peer ``spec``'s runner in its environment, its answers to ``out`` (skipped if there)."""
     if out.exists():
         return
     command = runner_command(spec, exported, out, threads)
-    if not Path(command[0]).exists():
-        print(f"{spec}: skipped, no environment (run bench/peers/setup.sh {spec.partition(':')[0]})")
-        return
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
@@ -345,7 +341,11 @@ def main() -> None:
     files = {}
     for spec in args.peers:
         files[label(spec)] = (out / "scores" / f"{spec.replace(':', '_')}.jsonl", "peer")
-        run_peer(spec, exported, files[label(spec)][0], args.threads)
+        peer = spec.partition(":")[0]
+        if peer in unnamed:  # --score-only (judging refuses above): nothing written, a later run scores it
+            print(f"{spec}: skipped, no environment (run bench/peers/setup.sh {peer})")
+        else:
+            run_peer(spec, exported, files[label(spec)][0], args.threads)
     for name in args.ours:
         files[name] = (out / "scores" / f"longprobe_{name}.jsonl", "longprobe")
         run_ours(model, tokenizer, samples, name, files[name][0])

@@ -28,7 +28,7 @@ from at2 import AT2Trainer
 from datasets import Dataset
 from run import ESTIMATORS, ExportedTask, feature_extractor, here, load
 
-WORK = here.parent.parent.parent / "bench" / "results" / "peers" / "at2_train"
+WORK = here.parent.parent / "results" / "peers" / "at2_train"
 
 
 def main() -> None:
