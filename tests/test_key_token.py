@@ -47,7 +47,7 @@ def test_key_token_builds_for_every_bundled_tokenizer(name, length):
         chars = sample.char_spans["context"][source.index]
         assert tokens_starting_in(starts, chars) == list(range(source.start, source.end))
     with torch.no_grad():  # LCL as recorded: log P(x_t | x_<t) of the model, by a plain forward
-        logits = model(sample.input_ids[None]).logits[0, t - 1]
+        logits = model(sample.input_ids[None], logits_to_keep=torch.tensor([t - 1])).logits[0, 0]
     lcl = float(logits.log_softmax(-1)[sample.input_ids[t]])
     assert sample.options["lcl"] == pytest.approx(lcl, abs=1e-4)
     assert sample.options["K"] == length // 8 and sample.options["lsd"] == sample.options["lsd"]  # not NaN
