@@ -4,7 +4,8 @@ README quotes (``make figures RECORD=1``, ``make test RECORD=1``).
     python bench/timed.py bench/results/make_test.json -- .venv/bin/python -m pytest -q
     python bench/timed.py --readme     # rewrite README's block of recorded runs from the files
 
-The record (JSON): the command, its exit code, wall seconds, the UTC start, and the machine at the
+The record (JSON): the command, its exit code, wall seconds, the peak resident memory of its largest
+process (``peak_rss_gib``: ``getrusage``'s children's maximum), the UTC start, and the machine at the
 start — CPU model, cores, the flags that decide bf16 speed (``avx512_bf16``, ``amx_bf16``), memory,
 load averages. README.md quotes the records between ``<!-- runs:start -->`` and ``<!-- runs:end -->``;
 ``tests/test_readme.py`` checks that block equals :func:`readme_block` of the committed files.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -44,13 +46,23 @@ def machine() -> dict:
     }
 
 
+def peak_rss_gib() -> float:
+    """The peak resident memory of the largest process this one has waited for, in GiB."""
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 1)  # bytes on macOS, KiB on Linux
+
+
 def record(path: Path, command: list[str]) -> int:
     """Run ``command``, write its record to ``path`` (atomically), return its exit code."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     found = {"command": " ".join(command), "started_utc": now, "machine": machine()}
     start = time.perf_counter()
     code = subprocess.call(command)
-    found |= {"seconds": round(time.perf_counter() - start, 1), "exit_code": code}
+    found |= {
+        "seconds": round(time.perf_counter() - start, 1),
+        "exit_code": code,
+        "peak_rss_gib": peak_rss_gib(),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(found, indent=1) + "\n")
@@ -68,10 +80,15 @@ def readme_block() -> str:
         minutes, seconds = divmod(round(run["seconds"]), 60)
         box = run["machine"]
         flags = ", ".join(box["flags"]) or "none of " + ", ".join(FLAGS)
+        peak = (
+            f"peak {run['peak_rss_gib']} GiB resident (its largest process), "
+            if "peak_rss_gib" in run
+            else ""
+        )
         lines.append(
             f"- `{name}`: {minutes} min {seconds} s on {box['cores']} cores of {box['cpu']} "
             f"(flags: {flags}), "
-            f"load {box['load_at_start'][0]} at the start, {run['started_utc'][:10]} "
+            f"load {box['load_at_start'][0]} at the start, {peak}{run['started_utc'][:10]} "
             f"([record]({path.relative_to(ROOT)}))"
         )
     return "\n".join([*lines, END])

@@ -1,8 +1,11 @@
 """The README quotes files, not memories: its recorded runs equal the records bench/timed.py wrote."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -32,6 +35,21 @@ def test_the_readme_block_is_rewritten_from_the_records(tmp_path, monkeypatch):
     monkeypatch.setattr(timed, "ROOT", tmp_path)
     block = timed.readme_block()
     assert "`make test`: 12 min 34 s on 2 cores of AMD EPYC" in block and "load 0.31 at the start" in block
+    assert "GiB resident" not in block  # a record made before the peak was measured says nothing of it
+    records["make test"].write_text(json.dumps(record | {"peak_rss_gib": 6.5}))
+    assert (
+        "load 0.31 at the start, peak 6.5 GiB resident (its largest process), 2026-11-25"
+        in timed.readme_block()
+    )
+
+
+def test_a_record_keeps_the_commands_peak_memory(tmp_path):
+    """A command touching 600 MiB is recorded at 0.6 GiB (timed.py runs fresh: no other child counts)."""
+    path, touch = tmp_path / "run.json", "block = bytearray(600 * 2**20); block[::4096] = b'x' * (600 * 256)"
+    subprocess.run(
+        [sys.executable, ROOT / "bench" / "timed.py", path, "--", sys.executable, "-c", touch], check=True
+    )
+    assert json.loads(path.read_text())["peak_rss_gib"] == pytest.approx(0.6, abs=0.1)
 
 
 def test_the_quick_start_output_is_the_committed_run():
