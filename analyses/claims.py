@@ -25,6 +25,7 @@ import pandas as pd
 from scipy.stats import pearsonr
 
 from analyses import longppl
+from probe import tasks
 from probe.results import atomic_write
 from probe.stats import MIN_UNITS, Estimate, bootstrap, correlation, difference
 
@@ -138,16 +139,30 @@ def longppl_beats_ppl(figures: Path) -> Measured:
 # --- CDT (Context Denoising Training) ---------------------------------------------------------------------
 
 
+#: The task sets a detector-comparison study is filed under: the stories the detectors were developed
+#: on, and the held-out study's tasks. A study with tasks from neither is filed under their names.
+TASK_SETS = {"multi-hop": tasks.DEVELOPMENT_TASKS, "held-out": tasks.HELD_OUT_TASKS}
+
+
+def task_set(names) -> str:
+    """The :data:`TASK_SETS` name that holds every task of ``names``, else the names joined by "+"."""
+    names = sorted(set(names))
+    return next((name for name, members in TASK_SETS.items() if set(names) <= set(members)), "+".join(names))
+
+
 def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
     """Every detector-comparison study's faithfulness rows under ``figures``, one frame per CSV, each
-    with its ablation reference (:func:`loo_reference`)."""
+    with its ablation reference (:func:`loo_reference`) and its ``tasks`` (:func:`task_set`)."""
     paths = sorted(figures.glob("**/detector_*_faithfulness.csv"))
     if not paths:
         raise FileNotFoundError(
             f"no detector_*_faithfulness.csv under {figures}: run analyses.detector_compare"
         )
     studies = [(path, pd.read_csv(path)) for path in paths]
-    return [frame.assign(loo_reference=loo_reference(path, frame)) for path, frame in studies]
+    return [
+        frame.assign(loo_reference=loo_reference(path, frame), tasks=task_set(frame.task))
+        for path, frame in studies
+    ]
 
 
 def loo_reference(faithfulness_csv: Path, faithful: pd.DataFrame) -> str:
@@ -165,11 +180,11 @@ def loo_reference(faithfulness_csv: Path, faithful: pd.DataFrame) -> str:
 
 
 def faithfulness_rows(figures: Path) -> pd.DataFrame:
-    """The faithfulness rows of one detector-comparison study per model and length: the one with the
-    most samples, then the most scorers (its own protocol, not mixed with another study's)."""
+    """The faithfulness rows of one detector-comparison study per model, length and task set: the one
+    with the most samples, then the most scorers (its own protocol, not mixed with another study's)."""
     chosen: dict[tuple, tuple[tuple[int, int], pd.DataFrame]] = {}
     for study in faithfulness_studies(figures):
-        for key, rows in study.groupby(["model", "length"]):
+        for key, rows in study.groupby(["model", "length", "tasks"]):
             size = (len(rows[["task", "seed"]].drop_duplicates()), rows.scorer.nunique())
             if key not in chosen or size > chosen[key][0]:
                 chosen[key] = (size, rows)
@@ -177,56 +192,62 @@ def faithfulness_rows(figures: Path) -> pd.DataFrame:
 
 
 def detector_advantage(
-    better: str, worse: str, length: int, column: str = "aopc_comprehensiveness"
+    better: str, worse: str, length: int, on: str = "multi-hop", column: str = "aopc_comprehensiveness"
 ) -> Callable[[Path], Measured]:
-    """``better`` − ``worse`` in ``column`` over the detector-comparison samples at ``length`` tokens."""
+    """``better`` − ``worse`` in ``column`` over the detector-comparison samples at ``length`` tokens on
+    the task set ``on`` (a :data:`TASK_SETS` name)."""
 
     def measure(figures: Path) -> Measured:
         rows = faithfulness_rows(figures)
-        rows = rows[rows.length == length]
+        rows = rows[(rows.length == length) & (rows.tasks == on)]
         if rows.empty:
-            raise LookupError(f"no detector comparison at {length} tokens")
+            raise LookupError(f"no detector comparison at {length} tokens on the {on} tasks")
         table = rows.pivot_table(index=["model", "task", "seed"], columns="scorer", values=column)
         difference = bootstrap(table[better] - table[worse], over="samples")
         models = ", ".join(sorted(rows.model.unique()))
-        setting = f"{models}; {len(table)} multi-hop samples at {length // 1024}K; {column}"
+        setting = f"{models}; {len(table)} {on} samples at {length // 1024}K; {column}"
         return Measured(difference, setting)
 
     return measure
 
 
 def ranking_by_length(figures: Path) -> pd.DataFrame:
-    """Each detector-comparison study's scorers (:func:`faithfulness_rows`: one study per model and
-    length): mean LDS and AOPC of comprehensiveness with 95 % bootstrap intervals over samples, and the
-    LDS rank within the study (1 = most faithful).
+    """Each detector-comparison study's scorers (:func:`faithfulness_rows`: one study per model, length
+    and task set): mean LDS and AOPC of comprehensiveness with 95 % bootstrap intervals over samples,
+    and the LDS rank within the study (1 = most faithful).
 
-    One row per (model, length, scorer): ``n`` samples, ``lds``, ``lds_low``, ``lds_high``,
+    One row per (tasks, model, length, scorer): ``n`` samples, ``lds``, ``lds_low``, ``lds_high``,
     ``aopc``, ``aopc_low``, ``aopc_high``, ``rank`` and the study's ``loo_reference``.
     """
     rows = faithfulness_rows(figures)
     records = []
-    for (model, length, scorer, reference), group in rows.groupby(
-        ["model", "length", "scorer", "loo_reference"]
+    for (on, model, length, scorer, reference), group in rows.groupby(
+        ["tasks", "model", "length", "scorer", "loo_reference"]
     ):
         lds = bootstrap(group.lds, over="samples")
         aopc = bootstrap(group.aopc_comprehensiveness, over="samples")
         records.append(
-            dict(model=model, length=length, scorer=scorer, n=lds.n, lds=lds.value, lds_low=lds.low,
+            dict(tasks=on, model=model, length=length, scorer=scorer, n=lds.n, lds=lds.value, lds_low=lds.low,
                  lds_high=lds.high, aopc=aopc.value, aopc_low=aopc.low, aopc_high=aopc.high,
                  loo_reference=reference)
         )  # fmt: skip
     table = pd.DataFrame(records)
-    table["rank"] = table.groupby(["model", "length"]).lds.rank(ascending=False, method="min").astype(int)
-    return table.sort_values(["model", "length", "rank"], ignore_index=True)
+    study = ["tasks", "model", "length"]
+    table["rank"] = table.groupby(study).lds.rank(ascending=False, method="min").astype(int)
+    return table.sort_values([*study, "rank"], ignore_index=True)
 
 
 def ranking_markdown(table: pd.DataFrame) -> str:
-    """One column per study (model at length): each scorer's LDS [95 % CI] and its rank there."""
-    studies = table[["model", "length", "n", "loo_reference"]].drop_duplicates(["model", "length"])
-    studies = studies.sort_values(["length", "model"])
+    """One column per study (model at length on a task set): each scorer's LDS [95 % CI] and its rank
+    there."""
+    study = ["tasks", "model", "length"]
+    studies = table[[*study, "n", "loo_reference"]].drop_duplicates(study)
+    listed = {name: i for i, name in enumerate(TASK_SETS)}  # the named task sets first, in their order
+    studies = studies.assign(listed=studies.tasks.map(listed).fillna(len(listed)))
+    studies = studies.sort_values(["listed", "tasks", "length", "model"])
     reference = {"none": ""} | {kind: f"; {kind} leave-one-out" for kind in ("exhaustive", "pruned")}
     heads = [
-        f"{row.model} {row.length // 1024}K (n = {row.n}{reference[row.loo_reference]})"
+        f"{row.model} {row.length // 1024}K {row.tasks} (n = {row.n}{reference[row.loo_reference]})"
         for row in studies.itertuples()
     ]
     order = table.groupby("scorer").lds.mean().sort_values(ascending=False).index
@@ -235,7 +256,10 @@ def ranking_markdown(table: pd.DataFrame) -> str:
         cells = []
         for study in studies.itertuples():
             row = table[
-                (table.model == study.model) & (table.length == study.length) & (table.scorer == scorer)
+                (table.tasks == study.tasks)
+                & (table.model == study.model)
+                & (table.length == study.length)
+                & (table.scorer == scorer)
             ]
             cells.append(
                 "–"
@@ -349,16 +373,19 @@ def not_testable(reason: str) -> Callable[[Path], Measured]:
     return lambda figures: Measured(None, reason)
 
 
-def detector_claims_at(length: int) -> list[Claim]:
-    """CDT §3.1 and §6.1 (the gradient and flow scores over attention and LSD) at ``length`` tokens."""
+def detector_claims_at(length: int, on: str = "multi-hop") -> list[Claim]:
+    """CDT §3.1 and §6.1 (the gradient and flow scores over attention and LSD) at ``length`` tokens on
+    the task set ``on`` (a :data:`TASK_SETS` name)."""
     k = f"{length // 1024}K"
+    where = f"{k} tokens" if on == "multi-hop" else f"{k} on the {on} tasks"
+    key = k.lower() if on == "multi-hop" else f"{k.lower()}_{on}"
     return [
-        Claim(f"grad_vs_attention_{k.lower()}", "002 §3.1", f"… the same at {k} tokens", "(as at 1K)",
-              detector_advantage("embedding_grad", "attention", length)),
-        Claim(f"flow_vs_attention_{k.lower()}", "002 §3.1, eq. 1", f"… information flow at {k} tokens",
-              "(as at 1K)", detector_advantage("information_flow", "attention", length)),
-        Claim(f"grad_vs_lsd_{k.lower()}", "002 §6.1", f"… gradient over LSD at {k} tokens", "(as at 1K)",
-              detector_advantage("embedding_grad", "lsd", length)),
+        Claim(f"grad_vs_attention_{key}", "002 §3.1", f"… the same at {where}", "(as at 1K)",
+              detector_advantage("embedding_grad", "attention", length, on)),
+        Claim(f"flow_vs_attention_{key}", "002 §3.1, eq. 1", f"… information flow at {where}",
+              "(as at 1K)", detector_advantage("information_flow", "attention", length, on)),
+        Claim(f"grad_vs_lsd_{key}", "002 §6.1", f"… gradient over LSD at {where}", "(as at 1K)",
+              detector_advantage("embedding_grad", "lsd", length, on)),
     ]  # fmt: skip
 
 
@@ -381,6 +408,7 @@ CLAIMS = [
     Claim("grad_vs_lsd", "002 §6.1", "Gradient scores beat LongPPL's LSD at finding critical tokens",
           "ordering gradient > attention > LongPPL", detector_advantage("embedding_grad", "lsd", 1024)),
     *(claim for length in (4096, 8192) for claim in detector_claims_at(length)),
+    *(claim for length in (1024, 4096) for claim in detector_claims_at(length, "held-out")),
     Claim("noise_restraint", "002 §3.2, Fig. 4", "Moving noise embeddings against the gradient multiplies "
           "attention on critical tokens", "×10", noise_restraint_gain(1024)),
     Claim("noise_restraint_4k", "002 §3.2, Fig. 4", "… the same at 4K tokens", "×10",

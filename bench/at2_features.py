@@ -53,7 +53,6 @@ from analyses.learn_head_weights import TRAIN_SEED, ablation_record, sample_reco
 from probe import at2, faithfulness, tasks
 from probe.attribution import answer_attribution
 
-TASKS = ("multihop-4", "kv", "document-2", "key-token")  # the held-out study's
 TRAIN_TASKS = ("multihop-1", "multihop-2")  # analyses.learn_head_weights' defaults
 ESTIMATORS = Path(__file__).parent / "peers" / "at2" / "estimators"
 # name: (indices into token_features' first axis, training sources, fit)
@@ -178,7 +177,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         "--at2-masks", action="store_true", help="AT2's recipe on its own masks vs its weights"
     )
     parser.add_argument("--at2-training", type=Path, default=None, help="AT2's features_and_outputs folder")
-    args, model, tokenizer, _ = new_seed_samples(__doc__, argv, TASKS, range(23000, 23003), parser)
+    args, model, tokenizer, _ = new_seed_samples(
+        __doc__, argv, tasks.HELD_OUT_TASKS, range(23000, 23003), parser
+    )
 
     def record(task: str, seed: int, held_out: bool) -> dict:
         return sample_record(model, tokenizer, task, args.length, seed, args.masks, held_out=held_out)

@@ -76,23 +76,34 @@ def test_a_results_file_without_markers_is_refused(tmp_path):
         claims.update_results(tmp_path / "README.md", "| table |")
 
 
-def test_detector_rows_and_the_ranking_are_per_length(tmp_path):
-    """Each length's claim rows use only its own samples; the ranking table has one column per study."""
+def test_detector_rows_and_the_ranking_are_per_length_and_task_set(tmp_path):
+    """Each length's claim rows use only its own samples, and a held-out study (more samples, same model
+    and length) is filed apart from the multi-hop one; the ranking table has one column per study."""
     figures, rng = tmp_path / "figures", np.random.default_rng(0)
-    (figures / "studies" / "long").mkdir(parents=True)
-    for folder, model, length, gap in (
-        (figures, "m", 1024, 1.0),
-        (figures / "studies" / "long", "g", 4096, -1.0),
+    for name in ("long", "held"):
+        (figures / "studies" / name).mkdir(parents=True)
+    for folder, model, length, gap, task, seeds in (
+        (figures, "m", 1024, 1.0, "multihop-1", 6),
+        (figures / "studies" / "long", "g", 4096, -1.0, "multihop-1", 6),
+        (figures / "studies" / "held", "m", 1024, 3.0, "kv", 8),
     ):
         rows = [
-            dict(model=model, length=length, task="multihop-1", seed=seed, scorer=scorer,
+            dict(model=model, length=length, task=task, seed=seed, scorer=scorer,
                  aopc_comprehensiveness=base + rng.normal(0, 0.1), lds=lds + rng.normal(0, 0.05))
-            for seed in range(6)
+            for seed in range(seeds)
             for scorer, base, lds in (("information_flow", gap, 0.7), ("attention", 0, 0.3), ("lsd", 0, 0))
         ]  # fmt: skip
         pd.DataFrame(rows).to_csv(folder / f"detector_{model}-{length}_faithfulness.csv", index=False)
-    short = claims.evaluate(figures, ["flow_vs_attention", "flow_vs_attention_4k"]).set_index("claim")
+    keys = ["flow_vs_attention", "flow_vs_attention_4k", "flow_vs_attention_1k_held-out"]
+    short = claims.evaluate(figures, keys).set_index("claim")
     assert short.loc["flow_vs_attention"].ours == pytest.approx(1.0, abs=0.1)
+    held_out = short.loc["flow_vs_attention_1k_held-out"]
+    assert (
+        held_out.ours == pytest.approx(3.0, abs=0.1)
+        and held_out.n == 8
+        and "8 held-out samples" in held_out.setting
+    )
+    assert "6 multi-hop samples" in short.loc["flow_vs_attention"].setting
     assert short.loc["flow_vs_attention_4k"].ours == pytest.approx(-1.0, abs=0.1)
     assert short.loc["flow_vs_attention_4k"].verdict == "not reproduced"
     assert "at 4K" in short.loc["flow_vs_attention_4k"].setting and short.loc["flow_vs_attention"].n == 6
@@ -100,11 +111,13 @@ def test_detector_rows_and_the_ranking_are_per_length(tmp_path):
     results.write_text(f"{claims.START}\n{claims.END}\n{claims.LENGTHS[0]}\nold\n{claims.LENGTHS[1]}\n")
     claims.main(["--figures", str(figures), "--results", str(results)])
     ranking = pd.read_csv(figures / "detector_by_length.csv")
-    assert set(zip(ranking.model, ranking.length, strict=True)) == {("m", 1024), ("g", 4096)}
+    studies = {("multi-hop", "m", 1024, 6), ("multi-hop", "g", 4096, 6), ("held-out", "m", 1024, 8)}
+    assert set(zip(ranking.tasks, ranking.model, ranking.length, ranking.n, strict=True)) == studies
     first = ranking[ranking["rank"] == 1]
-    assert set(first.scorer) == {"information_flow"} and (ranking.n == 6).all()
+    assert set(first.scorer) == {"information_flow"} and len(first) == 3
     text = results.read_text()
-    assert "\nold\n" not in text and "| scorer | m 1K (n = 6) | g 4K (n = 6) |" in text
+    heads = "| scorer | m 1K multi-hop (n = 6) | g 4K multi-hop (n = 6) | m 1K held-out (n = 8) |"
+    assert "\nold\n" not in text and heads in text
     assert "#1" in text.split("`information_flow`")[1].split("\n")[0]
 
 
@@ -121,3 +134,15 @@ def test_each_study_says_how_its_leave_one_out_reference_ran(tmp_path, passes, e
             tmp_path / "detector_m-1024_metrics.csv", index=False
         )
     assert claims.loo_reference(faithful, pd.read_csv(faithful)) == expected
+
+
+@pytest.mark.parametrize(
+    "names, expected",
+    [
+        (["multihop-2", "multihop-1"], "multi-hop"),
+        (["key-token", "kv"], "held-out"),
+        (["kv", "multihop-1"], "kv+multihop-1"),
+    ],
+)
+def test_a_study_is_filed_under_the_task_set_that_holds_all_its_tasks(names, expected):
+    assert claims.task_set(names) == expected

@@ -56,11 +56,11 @@ sys.path.insert(0, str(HERE))
 
 import exchange  # noqa: E402
 import peer_io  # noqa: E402
-from export_samples import HELDOUT_TASKS, heldout_samples  # noqa: E402
+from export_samples import heldout_samples  # noqa: E402
 
 import probe  # noqa: E402
 from analyses.claims import update_results  # noqa: E402
-from probe import faithfulness, stats  # noqa: E402
+from probe import faithfulness, stats, tasks  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
 from probe.results import atomic_write  # noqa: E402
 
@@ -283,7 +283,7 @@ def study_ablations(path: Path, model: str, length: int) -> pd.DataFrame:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--tasks", nargs="+", default=list(HELDOUT_TASKS))
+    parser.add_argument("--tasks", nargs="+", default=list(tasks.HELD_OUT_TASKS))
     parser.add_argument("--samples", type=int, default=6, help="samples a task (the held-out study: 6)")
     parser.add_argument(
         "--seed", type=int, default=5000, help="first sample's seed; seed of the LDS masks (the study's)"

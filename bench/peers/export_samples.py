@@ -20,8 +20,6 @@ import exchange  # noqa: E402
 from probe import load_model, tasks  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
 
-HELDOUT_TASKS = ("multihop-4", "kv", "document-2", "key-token")
-
 
 def heldout_samples(model, tokenizer, task_names, n: int, seed: int, length: int) -> list[tasks.Sample]:
     """The protocol's samples: for each task, seeds ``seed`` .. ``seed + n - 1``."""
@@ -36,7 +34,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tasks", nargs="+", default=list(HELDOUT_TASKS))
+    parser.add_argument("--tasks", nargs="+", default=list(tasks.HELD_OUT_TASKS))
     parser.add_argument("--samples", type=int, default=6)
     parser.add_argument("--seed", type=int, default=5000)
     parser.add_argument("--length", type=int, default=1024)

@@ -57,6 +57,11 @@ def names() -> list[str]:
 #: The tasks that score their text with a model (``make(..., model=...)``); the others ignore it.
 SCORED_BY_MODEL = ("key-token",)
 
+#: The multi-hop stories the one-pass detectors were developed on.
+DEVELOPMENT_TASKS = ("multihop-1", "multihop-2", "multihop-3")
+#: The held-out study's tasks (``figures/studies/heldout_protocol.md``): no detector was tuned on them.
+HELD_OUT_TASKS = ("multihop-4", "kv", "document-2", "key-token")
+
 
 def make(
     task: str,
