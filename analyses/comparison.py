@@ -78,7 +78,7 @@ def compare_samples(
     samples: list[tasks.Sample],
     names: list[str],
     top_k: int,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     options: dict[str, dict] | None = None,
     source_reduce: str = "mean",
     n_masks: int = 32,

@@ -287,7 +287,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="leave_one_out exact on the M sources key_removal_grad ranks highest, the rest its scaled "
         "estimate (default 8; 'all': exhaustive, one pass per source)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="greedy answer's length for the correct / wrong split (default: the gold answer's tokens + 4, "
+        "so that a long answer such as a kv UUID is never cut)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="first sample's seed; seed of the LDS masks")
     parser.add_argument(
         "--batch-size",
@@ -322,7 +328,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     }
     if unused:
         parser.error(f"--task-options {sorted(unused)}: no task of --tasks takes them")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be at least 1")
     if args.ceiling_masks < 0:
         parser.error("--ceiling-masks must be 0 (no ceiling) or a number of masks")
@@ -394,7 +400,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     model, tokenizer = load(args)
     names = args.detectors or DEFAULT_DETECTORS
     context = model.config.get_text_config().max_position_embeddings
-    if args.length + args.max_new_tokens > context:
+    if args.length + (args.max_new_tokens or 0) > context:
         raise SystemExit(
             f"--length {args.length} (+ the answer) exceeds {args.model}'s context of {context} tokens"
         )

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import probe
 from analyses import comparison, detector_compare
 from probe import detectors, faithfulness, tasks
 
@@ -283,3 +284,17 @@ def test_the_held_out_settings_run_end_to_end_with_the_ceiling(tiny_model_folder
         assert len(rows) >= 8 + 24 and rows.removed.str.len().eq(judged.n_sources.iloc[0]).all()
         full = rows[~rows.removed.str.contains("1")]
         assert full.logprob.item() == pytest.approx(judged.full_logprob.iloc[0], abs=1e-6)
+
+
+def test_the_answer_judged_correct_or_wrong_is_never_cut_short(tiny_model_folder, monkeypatch):
+    """By default the greedy answer behind the correct / wrong split runs to the gold answer's tokens
+    + 4, so a kv UUID (more than 8 tokens) is judged whole, not cut after a fixed 8."""
+    model, tokenizer = probe.load_model(str(tiny_model_folder))
+    sample = tasks.make("kv", tokenizer, 192, seed=0)
+    asked, generate = [], model.generate
+    monkeypatch.setattr(
+        model, "generate", lambda *a, **k: asked.append(k["max_new_tokens"]) or generate(*a, **k)
+    )
+    default = detector_compare.parse_args([]).max_new_tokens
+    comparison.compare_samples(model, tokenizer, [sample], ["random"], 4, default, n_masks=4, ks=(1,))
+    assert asked == [len(sample.target_positions) + 4] and asked[0] > 8
