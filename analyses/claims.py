@@ -16,7 +16,7 @@ test at this scale are listed as *not testable*, with the reason.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,7 +144,7 @@ def longppl_beats_ppl(figures: Path) -> Measured:
 TASK_SETS = {"multi-hop": tasks.DEVELOPMENT_TASKS, "held-out": tasks.HELD_OUT_TASKS}
 
 
-def task_set(names) -> str:
+def task_set(names: Iterable[str]) -> str:
     """The :data:`TASK_SETS` name that holds every task of ``names``, else the names joined by "+"."""
     names = sorted(set(names))
     return next((name for name, members in TASK_SETS.items() if set(names) <= set(members)), "+".join(names))
