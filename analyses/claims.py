@@ -146,8 +146,10 @@ TASK_SETS = {"multi-hop": tasks.DEVELOPMENT_TASKS, "held-out": tasks.HELD_OUT_TA
 
 def task_set(names: Iterable[str]) -> str:
     """The :data:`TASK_SETS` name that holds every task of ``names``, else the names joined by "+"."""
-    names = sorted(set(names))
-    return next((name for name, members in TASK_SETS.items() if set(names) <= set(members)), "+".join(names))
+    names = set(names)
+    return next(
+        (name for name, members in TASK_SETS.items() if names <= set(members)), "+".join(sorted(names))
+    )
 
 
 def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
