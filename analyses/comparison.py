@@ -107,12 +107,10 @@ def compare_samples(
     for name, detection in found_all[0].items() if pages is not None else ():
         detection.save_html(pages.with_name(f"{pages.name}_{name}.html"))
     for sample, found in zip(samples, found_all, strict=True):
-        generated = answer(model, tokenizer, sample, max_new_tokens)
         about = {
             "task": sample.task,
             "seed": sample.seed,
-            "generated": generated,
-            "correct": bool(sample.score(generated)),
+            **greedy_answer(model, tokenizer, sample, max_new_tokens),
         }
         for name, detection in found.items():
             rows.append(
@@ -139,6 +137,13 @@ def compare_samples(
         judged["seconds"] = judged.scorer.map({name: detection.seconds for name, detection in found.items()})
         faithful.append(judged.assign(**about))
     return rows, layers, pd.concat(faithful, ignore_index=True)
+
+
+def greedy_answer(model, tokenizer, sample: tasks.Sample, max_new_tokens: int | None) -> dict:
+    """The model's greedy answer to ``sample`` (:func:`probe.answer`, ``max_new_tokens`` None: the gold
+    answer's tokens + 4) and whether the task scores it right: ``{"generated": str, "correct": bool}``."""
+    generated = answer(model, tokenizer, sample, max_new_tokens)
+    return {"generated": generated, "correct": bool(sample.score(generated))}
 
 
 def judge_faithfulness(

@@ -57,6 +57,7 @@ kept the main job's ranking (RESULTS.md, "The main job in bfloat16"); elsewhere 
     python -m analyses.detector_compare --detectors attention fr embedding_grad information_flow \\
         grad_times_input at2 key_removal_grad key_removal_banzhaf attn_lrp lsd lexical_overlap recency \\
         leave_one_out --ks 1 2 4 8 --masks 32 --loo-top-m all          # the full 1K study of RESULTS.md
+    python -m analyses.detector_compare --out STUDY_FOLDER ...its settings... --rejudge  # answers again
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ from analyses.comparison import (
     deletion_curves,
     faithfulness_intervals,
     faithfulness_summary,
+    greedy_answer,
     rank_table,
     ranks_markdown,
     verdicts_markdown,
@@ -91,6 +93,7 @@ from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
 from probe import detectors, faithfulness, metrics, tasks
 
+NOT_SETTINGS = ("resume", "rejudge", "out", "device")  # arguments that do not make another study
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
 SCORE_COLUMNS = {
     "auroc": "AUROC (supporting)",
@@ -316,6 +319,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="keep the batches a killed run finished (in OUT/.detector_*_parts)",
     )
+    parser.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="a finished study (in OUT, given with the settings it ran with): each sample's greedy answer "
+        "again under --max-new-tokens (generated, correct / wrong) and every table and figure redrawn; "
+        "no detector runs again",
+    )
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
@@ -340,6 +350,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--lsd-k must be between 1 and --length - 1 ({args.length - 1}), got {args.lsd_k}")
     if args.top_k < 1:
         parser.error("--top-k must be at least 1")
+    if args.rejudge and args.resume:
+        parser.error("--rejudge redraws a finished study, --resume continues an unfinished one: give one")
     if args.out is not None:
         check_out(parser, args.out)
     check_device_arguments(parser, args)
@@ -365,8 +377,9 @@ def study_folder(args: argparse.Namespace) -> Path:
     """``figures`` for the main job's default settings (any model and length: their files are named by
     both), else a folder of its own under ``figures/studies``, named by a hash of the settings."""
     defaults = vars(parse_args([]))
-    ignored = ("model", "length", "out", "resume", "device")  # the device does not make another study
-    chosen = {key: value for key, value in vars(args).items() if key not in ignored}
+    chosen = {
+        key: value for key, value in vars(args).items() if key not in (*NOT_SETTINGS, "model", "length")
+    }
     if chosen["dtype"] is None:  # the model's own: the folder keeps the name it had before --dtype
         del chosen["dtype"]
     if all(value == defaults[key] for key, value in chosen.items()):
@@ -397,18 +410,35 @@ def detector_options(
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     out = args.out or study_folder(args)
-    model, tokenizer = load(args)
     names = args.detectors or DEFAULT_DETECTORS
+    tag = f"{Path(args.model).name}-{args.length}"
+    finished = finished_study(args, out, tag, names) if args.rejudge else None
+    model, tokenizer = load(args)
     context = model.config.get_text_config().max_position_embeddings
     if args.length + (args.max_new_tokens or 0) > context:
         raise SystemExit(
             f"--length {args.length} (+ the answer) exceeds {args.model}'s context of {context} tokens"
         )
+    if finished is not None:
+        found = rejudged(finished, args, model, tokenizer)
+    else:
+        found = run_study(args, out, tag, names, model, tokenizer)
+    if found is None:  # not the main process of an accelerate launch: it writes the outputs
+        return pd.DataFrame()
+    table = write_outputs(found, args, out, tag, names)
+    shutil.rmtree(out / f".detector_{tag}_parts", ignore_errors=True)  # all written: nothing to resume
+    return table
 
+
+def run_study(
+    args, out: Path, tag: str, names: list[str], model, tokenizer
+) -> dict[str, pd.DataFrame] | None:
+    """Every sample of the study, in resumable batches (:func:`analyses.sweep.sweep`): the tables
+    ``metrics``, ``layers``, ``faithfulness`` and ``ablations``; None in a helper process of an
+    accelerate launch."""
     options = detector_options(names, args.length, args.seed, args.loo_top_m, args.top_k, args.lsd_k)
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]
-    tag = f"{Path(args.model).name}-{args.length}"
 
     def run(job: tuple) -> dict[str, pd.DataFrame]:
         """One batch of samples (``job`` = task, seed, task, seed, ...): its three tables."""
@@ -439,18 +469,76 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         tables = {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
         return tables | ({"ablations": pd.concat(ablations, ignore_index=True)} if ablations else {})
 
-    parts = out / f".detector_{tag}_parts"
-    settings = {key: value for key, value in vars(args).items() if key not in ("resume", "out", "device")}
+    settings = {key: value for key, value in vars(args).items() if key not in NOT_SETTINGS}
     settings["detectors"] = names  # the default set may change between runs: record what ran
-    found = sweep(
-        jobs, run, parts, args.resume, desc=f"detector_compare {args.model} (batches)", settings=settings
+    return sweep(
+        jobs,
+        run,
+        out / f".detector_{tag}_parts",
+        args.resume,
+        desc=f"detector_compare {args.model} (batches)",
+        settings=settings,
     )
-    if found is None:  # not the main process of an accelerate launch: it writes the outputs
-        return pd.DataFrame()
+
+
+def finished_study(args, out: Path, tag: str, names: list[str]) -> dict[str, pd.DataFrame]:
+    """The tables of the finished study in ``out`` (``metrics``, ``faithfulness`` and, where it has one,
+    ``layers``), after checking that they are the study ``args`` describe: its model, length, tasks,
+    samples and detectors. Raises SystemExit, before any model work, where they are not."""
+    files = {name: out / f"detector_{tag}_{name}.csv" for name in ("metrics", "faithfulness", "layers")}
+    missing = [str(path) for name, path in files.items() if name != "layers" and not path.exists()]
+    if missing:
+        raise SystemExit(
+            f"--rejudge: no finished study at {', '.join(missing)}; give the study's folder with --out "
+            "and its settings as it ran"
+        )
+    found = {
+        name: pd.read_csv(path, keep_default_na=False, na_values=[""])
+        for name, path in files.items()
+        if path.exists()
+    }
+    table = found["metrics"]
+    samples = {(task, args.seed + i) for task in args.tasks for i in range(args.samples)}
+    recorded = {
+        "model": (set(table.model), {args.model}),
+        "length": (set(table.length), {args.length}),
+        "samples (task, seed)": (set(zip(table.task, table.seed, strict=True)), samples),
+        "detectors": (set(table.detector), set(names)),
+    }
+    wrong = [f"{what}: the study has {sorted(has)}, the arguments say {sorted(said)}"
+             for what, (has, said) in recorded.items() if has != said]  # fmt: skip
+    if wrong:
+        raise SystemExit(
+            f"--rejudge: {out} holds another study than the arguments describe; " + "; ".join(wrong)
+        )
+    return found
+
+
+def rejudged(found: dict[str, pd.DataFrame], args, model, tokenizer) -> dict[str, pd.DataFrame]:
+    """``found`` with each sample's ``generated`` and ``correct`` columns from a new greedy answer under
+    ``args.max_new_tokens`` (:func:`analyses.comparison.greedy_answer`); nothing else changes."""
+    answers = {}
+    for task, seed in found["metrics"][["task", "seed"]].drop_duplicates().itertuples(index=False):
+        sample = tasks.make(
+            task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options)
+        )
+        answers[task, seed] = greedy_answer(model, tokenizer, sample, args.max_new_tokens)
+    rejudged = {}
+    for name, frame in found.items():
+        keys = list(zip(frame.task, frame.seed, strict=True))
+        columns = {column: [answers[key][column] for key in keys] for column in ("generated", "correct")}
+        rejudged[name] = frame.assign(**columns)
+    return rejudged
+
+
+def write_outputs(
+    found: dict[str, pd.DataFrame], args, out: Path, tag: str, names: list[str]
+) -> pd.DataFrame:
+    """Every table and figure of the study from its tables ``found``; its metrics table."""
     settings = {"model": args.model, "length": args.length}
     table = found["metrics"].assign(**settings)
     faithful = found["faithfulness"].assign(**settings)
-    layers = [found["layers"]] if not found["layers"].empty else []
+    layers = [found["layers"]] if "layers" in found and not found["layers"].empty else []
     atomic_write(out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
     if "ablations" in found:  # every masked pass, for judging other scores on these samples later
         passes = found["ablations"].assign(**settings)
@@ -480,7 +568,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     print(f"accuracy by task:\n{accuracy.to_string()}\n\n{summary.round(3).to_string(index=False)}")
     print(f"\nfaithfulness:\n{faithfulness_summary(faithful).round(3).to_string(index=False)}")
     print(f"\n{markdown}")
-    shutil.rmtree(parts, ignore_errors=True)  # every output is written: nothing left to resume
     return table
 
 

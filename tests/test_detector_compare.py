@@ -1,5 +1,6 @@
 """The detector comparison end to end on a tiny model saved like a real one, and its refusals."""
 
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -298,3 +299,61 @@ def test_the_answer_judged_correct_or_wrong_is_never_cut_short(tiny_model_folder
     default = detector_compare.parse_args([]).max_new_tokens
     comparison.compare_samples(model, tokenizer, [sample], ["random"], 4, default, n_masks=4, ks=(1,))
     assert asked == [len(sample.target_positions) + 4] and asked[0] > 8
+
+
+def rejudge_argv(folder: Path, out: Path) -> list[str]:
+    """The ``run`` fixture's settings, rejudged in ``out``."""
+    return [
+        "--model",
+        str(folder),
+        "--length",
+        "192",
+        "--samples",
+        "1",
+        "--masks",
+        "8",
+        "--out",
+        str(out),
+        "--rejudge",
+    ]
+
+
+def test_a_rejudge_changes_only_the_greedy_answers_and_redraws_the_rest(run, tiny_model_folder, tmp_path):
+    """``--rejudge`` on a finished study: the same answer length gives back every table byte for byte;
+    another gives each sample's new greedy answer and its correct / wrong, and nothing else moves."""
+    _, out, tag = run
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    tables = sorted(path.name for path in out.glob("*.csv")) + sorted(path.name for path in out.glob("*.md"))
+    detector_compare.main(rejudge_argv(tiny_model_folder, tmp_path))
+    assert [(tmp_path / name).read_bytes() == (out / name).read_bytes() for name in tables] == [True] * len(
+        tables
+    )
+
+    detector_compare.main([*rejudge_argv(tiny_model_folder, tmp_path), "--max-new-tokens", "1"])
+    model, tokenizer = probe.load_model(str(tiny_model_folder))
+    for name in ("metrics", "faithfulness", "layers"):
+        before = pd.read_csv(out / f"detector_{tag}_{name}.csv", keep_default_na=False)
+        after = pd.read_csv(tmp_path / f"detector_{tag}_{name}.csv", keep_default_na=False)
+        pd.testing.assert_frame_equal(
+            after.drop(columns=["generated", "correct"]), before.drop(columns=["generated", "correct"])
+        )
+        for (task, seed), rows in after.groupby(["task", "seed"]):
+            sample = tasks.make(task, tokenizer, 192, seed, model=model)
+            generated = probe.answer(model, tokenizer, sample, 1)
+            assert set(rows.generated) == {generated} and set(rows.correct) == {bool(sample.score(generated))}
+
+
+def test_a_rejudge_of_another_study_is_refused_before_any_model_work(
+    run, tiny_model_folder, tmp_path, monkeypatch, capsys
+):
+    _, out, _ = run
+    monkeypatch.setattr(detector_compare, "load", lambda args: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit, match="no finished study"):
+        detector_compare.main(rejudge_argv(tiny_model_folder, tmp_path))
+    with pytest.raises(SystemExit, match=r"another study .*samples \(task, seed\)"):
+        detector_compare.main([*rejudge_argv(tiny_model_folder, out), "--samples", "2"])
+    with pytest.raises(SystemExit, match="another study .*detectors"):
+        detector_compare.main([*rejudge_argv(tiny_model_folder, out), "--detectors", "attention"])
+    with pytest.raises(SystemExit):
+        detector_compare.main([*rejudge_argv(tiny_model_folder, out), "--resume"])
+    assert "give one" in capsys.readouterr().err
