@@ -73,6 +73,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import seaborn as sns
+from tqdm.auto import tqdm
 
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.comparison import (
@@ -518,7 +519,8 @@ def rejudged(found: dict[str, pd.DataFrame], args, model, tokenizer) -> dict[str
     """``found`` with each sample's ``generated`` and ``correct`` columns from a new greedy answer under
     ``args.max_new_tokens`` (:func:`analyses.comparison.greedy_answer`); nothing else changes."""
     answers = {}
-    for task, seed in found["metrics"][["task", "seed"]].drop_duplicates().itertuples(index=False):
+    samples = found["metrics"][["task", "seed"]].drop_duplicates().itertuples(index=False)
+    for task, seed in tqdm(list(samples), desc=f"detector_compare {args.model} (greedy answers)"):
         sample = tasks.make(
             task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options)
         )
