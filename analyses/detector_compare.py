@@ -525,12 +525,12 @@ def rejudged(found: dict[str, pd.DataFrame], args, model, tokenizer) -> dict[str
             task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options)
         )
         answers[task, seed] = greedy_answer(model, tokenizer, sample, args.max_new_tokens)
-    rejudged = {}
+    tables = {}
     for name, frame in found.items():
         keys = list(zip(frame.task, frame.seed, strict=True))
         columns = {column: [answers[key][column] for key in keys] for column in ("generated", "correct")}
-        rejudged[name] = frame.assign(**columns)
-    return rejudged
+        tables[name] = frame.assign(**columns)
+    return tables
 
 
 def write_outputs(
