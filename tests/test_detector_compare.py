@@ -21,12 +21,16 @@ def names():
     return comparison.DEFAULT_DETECTORS
 
 
+def run_argv(folder: Path) -> list[str]:
+    """The ``run`` fixture's settings."""
+    return ["--model", str(folder), "--length", "192", "--samples", "1", "--masks", "8"]
+
+
 @pytest.fixture(scope="module")
 def run(tiny_model_folder, tmp_path_factory):
     """The analysis at tiny settings: 2 tasks × 1 sample of 192 tokens, 8 random masks."""
     out = tmp_path_factory.mktemp("detector_compare")
-    argv = ["--model", str(tiny_model_folder), "--length", "192", "--samples", "1", "--masks", "8"]
-    table = detector_compare.main([*argv, "--out", str(out)])
+    table = detector_compare.main([*run_argv(tiny_model_folder), "--out", str(out)])
     return table, out, f"{tiny_model_folder.name}-192"
 
 
@@ -303,19 +307,7 @@ def test_the_answer_judged_correct_or_wrong_is_never_cut_short(tiny_model_folder
 
 def rejudge_argv(folder: Path, out: Path) -> list[str]:
     """The ``run`` fixture's settings, rejudged in ``out``."""
-    return [
-        "--model",
-        str(folder),
-        "--length",
-        "192",
-        "--samples",
-        "1",
-        "--masks",
-        "8",
-        "--out",
-        str(out),
-        "--rejudge",
-    ]
+    return [*run_argv(folder), "--out", str(out), "--rejudge"]
 
 
 def test_a_rejudge_changes_only_the_greedy_answers_and_redraws_the_rest(run, tiny_model_folder, tmp_path):
