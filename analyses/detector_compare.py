@@ -93,6 +93,7 @@ from analyses.comparison import (
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import sweep
 from probe import detectors, faithfulness, metrics, tasks
+from probe.errors import InvalidValueError
 
 NOT_SETTINGS = ("resume", "rejudge", "out", "device")  # arguments that do not make another study
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
@@ -531,6 +532,31 @@ def rejudged(found: dict[str, pd.DataFrame], args, model, tokenizer) -> dict[str
         columns = {column: [answers[key][column] for key in keys] for column in ("generated", "correct")}
         tables[name] = frame.assign(**columns)
     return tables
+
+
+def saved_passes(path: Path, model: str | None = None, length: int | None = None) -> pd.DataFrame:
+    """Every masked pass a study saved (:meth:`probe.faithfulness.Ablations.to_frame` rows with
+    ``model`` and ``length``): its ``detector_*_ablations.csv.gz`` or, for ``path`` a study folder, that
+    and the finished parts of a run still going. With ``model`` / ``length``: refused unless the passes
+    were run with that model at that length. Each sample's are told apart by digest (``sample``)."""
+    files = sorted(path.glob("detector_*_ablations.csv.gz")) if path.is_dir() else [path]
+    frames = [pd.read_csv(file, dtype={"removed": str}) for file in files]
+    for parts in sorted(path.glob(".detector_*_parts")) if path.is_dir() else []:
+        recorded = json.loads((parts / "settings.json").read_text())
+        for part in sorted(parts.glob("*.pkl")):
+            tables = pd.read_pickle(part)
+            if "ablations" in tables:
+                frames.append(tables["ablations"].assign(model=recorded["model"], length=recorded["length"]))
+    columns = ["sample", "removed", "logprob", "correct", "model", "length"]
+    saved = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+    wrong_model = model is not None and set(saved.model) - {model}
+    wrong_length = length is not None and set(saved.length) - {length}
+    if wrong_model or wrong_length:
+        raise InvalidValueError(
+            f"{path} holds passes of {sorted(set(saved.model))} at {sorted(set(saved.length))} tokens, "
+            f"not of {model} at {length}: pass that study's file or none"
+        )
+    return saved
 
 
 def write_outputs(

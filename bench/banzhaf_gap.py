@@ -65,18 +65,11 @@ def sample_row(
 ) -> dict:
     """One sample's LDS of each scorer, the one-pass estimate of its top source and its bias curve."""
     known = faithfulness.Ablations.from_frame(saved, sample)
-    n = len(sample.sources)
-    logprob = {tuple(m.tolist()): float(v) for m, v in zip(known.removed, known.scores.logprob, strict=True)}
-
-    def outcome(kept: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([logprob[tuple((~mask).tolist())] for mask in kept])
-
-    full = logprob[(False,) * n]
-    kept_lds = faithfulness.random_masks(n, n_masks, 0.5, mask_seed)
+    kept_lds = faithfulness.random_masks(len(sample.sources), n_masks, 0.5, mask_seed)
     fit = faithfulness.additive_ceiling_masks(kept_lds, 256, seed=mask_seed)  # the study's
-    ceiling, actual = faithfulness.additive_ceiling(fit, outcome(fit)), outcome(kept_lds)
+    ceiling, actual = faithfulness.additive_ceiling(fit, known.logprob_of(fit)), known.logprob_of(kept_lds)
     one_pass = probe.detect("key_removal_banzhaf", model, tokenizer, sample).source_scores()
-    loo = torch.tensor([full - logprob[tuple(j == i for j in range(n))] for i in range(n)])
+    loo = known.leave_one_out()
     scorers = {"leave_one_out": loo, "additive_ceiling": ceiling, "key_removal_banzhaf": one_pass}
     top = int(ceiling.argmax())
     curve = bias_curve(model, sample, top)

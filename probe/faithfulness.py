@@ -90,12 +90,18 @@ class Ablations(NamedTuple):
         )
 
     @classmethod
-    def from_frame(cls, frame: pd.DataFrame, sample: Sample) -> Ablations:
+    def from_frame(cls, frame: pd.DataFrame, sample: Sample | None = None) -> Ablations:
         """The rows of a :meth:`to_frame` table (of any number of samples) run on ``sample``; none when
         the table holds no pass of it. Pass them as ``known`` to :func:`evaluate` with the model they
-        were run with."""
-        rows = frame[frame["sample"] == sample_digest(sample)]
-        n_sources = len(sample.sources)
+        were run with. Without ``sample``: every row, which must all be one sample's."""
+        if sample is None:
+            if frame["sample"].nunique() > 1:
+                raise InvalidValueError(
+                    f"the table holds passes of {frame['sample'].nunique()} samples: pass the sample to take"
+                )
+            rows, n_sources = frame, len(frame.removed.iloc[0]) if len(frame) else 0
+        else:
+            rows, n_sources = frame[frame["sample"] == sample_digest(sample)], len(sample.sources)
         removed = torch.tensor([[bit == "1" for bit in mask] for mask in rows.removed], dtype=torch.bool)
         return cls(
             removed.reshape(len(rows), n_sources),
@@ -104,6 +110,25 @@ class Ablations(NamedTuple):
                 torch.tensor(rows.correct.to_numpy(bool)),
             ),
         )
+
+    def logprob_of(self, kept: torch.Tensor) -> torch.Tensor:
+        """Tensor[masks]: the saved log P(answer) of each mask of ``kept`` BoolTensor[masks, sources]
+        (True = kept); refused for a mask that was not run."""
+        saved = dict(zip(map(tuple, self.removed.tolist()), self.scores.logprob.tolist(), strict=True))
+        wanted = [tuple((~mask).tolist()) for mask in kept]
+        missing = sum(key not in saved for key in wanted)
+        if missing:
+            raise InvalidValueError(
+                f"{missing} of {len(wanted)} masks were not run: run them, or ask for saved ones"
+            )
+        return torch.tensor([saved[key] for key in wanted])
+
+    def leave_one_out(self) -> torch.Tensor:
+        """Tensor[sources]: the drop of log P(answer) when each source alone is removed, from the saved
+        full pass and single removals (exhaustive leave-one-out's scores); refused if one was not run."""
+        n = self.removed.shape[1]
+        full = self.logprob_of(torch.ones(1, n, dtype=torch.bool))
+        return full - self.logprob_of(~torch.eye(n, dtype=torch.bool))
 
 
 def sample_digest(sample: Sample) -> str:

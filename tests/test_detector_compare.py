@@ -1,5 +1,6 @@
 """The detector comparison end to end on a tiny model saved like a real one, and its refusals."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from transformers import AutoTokenizer
 import probe
 from analyses import comparison, detector_compare
 from probe import detectors, faithfulness, tasks
+from probe.errors import InvalidValueError
 
 KS = detector_compare.parse_args([]).ks  # the main job's
 
@@ -349,3 +351,21 @@ def test_a_rejudge_of_another_study_is_refused_before_any_model_work(
     with pytest.raises(SystemExit):
         detector_compare.main([*rejudge_argv(tiny_model_folder, out), "--resume"])
     assert "give one" in capsys.readouterr().err
+
+
+def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_are_refused(tmp_path):
+    """``saved_passes`` reads a finished study's passes and a running one's finished parts (the peers'
+    judgement and ``bench/ceiling_masks.py`` read them), and refuses passes of another model."""
+    passes = pd.DataFrame({"sample": ["s1"], "removed": ["0010"], "logprob": [-1.5], "correct": [True]})
+    parts = tmp_path / ".detector_m-1024_parts"
+    parts.mkdir()
+    (parts / "settings.json").write_text(json.dumps({"model": "m", "length": 1024}))
+    pd.to_pickle({"metrics": pd.DataFrame(), "ablations": passes}, parts / "kv__1.pkl")
+    pd.to_pickle({"metrics": pd.DataFrame()}, parts / "kv__0.pkl")  # a part from before passes were kept
+    done = passes.assign(sample="s2", model="m", length=1024)
+    done.to_csv(tmp_path / "detector_m-1024_ablations.csv.gz", index=False, compression="gzip")
+    saved = detector_compare.saved_passes(tmp_path, "m", 1024)
+    assert sorted(saved["sample"]) == ["s1", "s2"] and set(saved.removed) == {"0010"}
+    assert detector_compare.saved_passes(tmp_path).equals(saved)
+    with pytest.raises(InvalidValueError, match="not of other at 1024"):
+        detector_compare.saved_passes(tmp_path, "other", 1024)

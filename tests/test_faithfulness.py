@@ -434,3 +434,26 @@ def test_compaction_equals_key_masking_on_the_real_models_at_1k(name):
     compact = faithfulness.answer_scores(model, sample, removed, compact=True)
     assert (compact.logprob - masked.logprob).abs().max() <= COMPACT_ATOL
     assert torch.equal(compact.correct, masked.correct)
+
+
+def test_saved_passes_give_back_each_masks_logprob_and_exhaustive_leave_one_out(model, sample, tokenizer):
+    """From one sample's saved table (``from_frame`` without the sample), ``logprob_of`` gives each
+    kept mask's log P as a direct ``answer_scores`` pass does, and ``leave_one_out`` equals the
+    ``leave_one_out`` detector's exhaustive scores; a mask not run, or a table of two samples, is refused."""
+    exact = probe.detect("leave_one_out", model, None, sample)
+    record = [faithfulness.Ablations.of(exact)]  # its single removals, as a study records them
+    scores = {"loo": exact.source_scores()}
+    faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=4, known=record[:], record=record)
+    table = pd.concat([one.to_frame(sample) for one in record])
+    known = faithfulness.Ablations.from_frame(table)
+    assert torch.equal(known.removed, faithfulness.Ablations.from_frame(table, sample).removed)
+    kept = faithfulness.random_masks(len(sample.sources), 4, seed=0)
+    direct = faithfulness.answer_scores(model, sample, ~kept).logprob
+    assert torch.allclose(known.logprob_of(kept), direct, atol=ATOL)
+    assert torch.allclose(known.leave_one_out(), exact.source_scores(), atol=ATOL)
+    with pytest.raises(ValueError, match="1 of 1 masks were not run"):
+        known.logprob_of(torch.zeros(1, len(sample.sources), dtype=torch.bool))
+    another = tasks.make("multihop-2", tokenizer, 300, seed=sample.seed + 1)
+    two = pd.concat([table, table.assign(sample=faithfulness.sample_digest(another))])
+    with pytest.raises(ValueError, match="2 samples"):
+        faithfulness.Ablations.from_frame(two)

@@ -142,24 +142,6 @@ def test_a_killed_run_resumes_where_it_stopped_and_writes_its_answers_once(tmp_p
     assert [json.loads(line)["key"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
 
 
-def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_are_refused(tmp_path):
-    import compare
-    import pandas as pd
-
-    passes = pd.DataFrame({"sample": ["s1"], "removed": ["0010"], "logprob": [-1.5], "correct": [True]})
-    parts = tmp_path / ".detector_m-1024_parts"
-    parts.mkdir()
-    (parts / "settings.json").write_text(json.dumps({"model": "m", "length": 1024}))
-    pd.to_pickle({"metrics": pd.DataFrame(), "ablations": passes}, parts / "kv__1.pkl")
-    pd.to_pickle({"metrics": pd.DataFrame()}, parts / "kv__0.pkl")  # a part from before passes were kept
-    done = passes.assign(sample="s2", model="m", length=1024)
-    done.to_csv(tmp_path / "detector_m-1024_ablations.csv.gz", index=False, compression="gzip")
-    saved = compare.study_ablations(tmp_path, "m", 1024)
-    assert sorted(saved["sample"]) == ["s1", "s2"] and set(saved.removed) == {"0010"}
-    with pytest.raises(SystemExit, match="not of other at 1024"):
-        compare.study_ablations(tmp_path, "other", 1024)
-
-
 def test_a_runners_seconds_are_cpu_seconds_and_a_too_long_answer_is_a_failure_that_says_why(tmp_path):
     """``peer_io.run`` times the scoring with the process's CPU clock: a method that waits (another job
     on the core, a paused run) costs nothing extra, one that computes costs its computing; a sample

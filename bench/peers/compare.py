@@ -60,7 +60,9 @@ from export_samples import heldout_samples  # noqa: E402
 
 import probe  # noqa: E402
 from analyses.claims import update_results  # noqa: E402
+from analyses.detector_compare import saved_passes  # noqa: E402
 from probe import faithfulness, stats, tasks  # noqa: E402
+from probe.errors import InvalidValueError  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
 from probe.results import atomic_write  # noqa: E402
 
@@ -255,31 +257,6 @@ def plot(found: pd.DataFrame, title: str) -> plt.Figure:
     return fig
 
 
-def study_ablations(path: Path, model: str, length: int) -> pd.DataFrame:
-    """A held-out study's saved masked passes: its ``*_ablations.csv.gz`` (``analyses.detector_compare``)
-    or, for ``path`` a study folder, that and the finished parts of a run still going. Refused unless run
-    with this model at this length; each sample takes only its own (by digest)."""
-    files = sorted(path.glob("detector_*_ablations.csv.gz")) if path.is_dir() else [path]
-    frames = [pd.read_csv(file, dtype={"removed": str}) for file in files]
-    for parts in sorted(path.glob(".detector_*_parts")) if path.is_dir() else []:
-        recorded = json.loads((parts / "settings.json").read_text())
-        for part in sorted(parts.glob("*.pkl")):
-            tables = pd.read_pickle(part)
-            if "ablations" in tables:
-                frames.append(tables["ablations"].assign(model=recorded["model"], length=recorded["length"]))
-    columns = ["sample", "removed", "logprob", "correct", "model", "length"]
-    saved = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
-    if set(saved.model) - {model} or set(saved.length) - {length}:
-        raise SystemExit(
-            f"{path} holds passes of {sorted(set(saved.model))} at {sorted(set(saved.length))} tokens, "
-            f"not of {model} at {length}: pass that study's file or none"
-        )
-    print(
-        f"{len(saved)} saved passes of {saved['sample'].nunique() if len(saved) else 0} samples from {path}"
-    )
-    return saved
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -357,7 +334,13 @@ def main() -> None:
         for name, (path, _) in files.items()
         for key, error in exchange.failures(path).items()
     ]
-    saved = study_ablations(args.ablations, args.model, args.length) if args.ablations else None
+    saved = None
+    if args.ablations:
+        try:
+            saved = saved_passes(args.ablations, args.model, args.length)
+        except InvalidValueError as error:
+            parser.error(str(error))
+        print(f"{len(saved)} saved passes of {saved['sample'].nunique()} samples from {args.ablations}")
     parts = {key: out / "judged" / f"{key}.csv" for key in map(exchange.sample_key, samples)}
     for sample in reversed(samples) if args.judge_backwards else samples:
         part = parts[exchange.sample_key(sample)]
