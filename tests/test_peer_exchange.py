@@ -170,7 +170,7 @@ def test_a_runners_seconds_are_cpu_seconds_and_a_too_long_answer_is_a_failure_th
 
 def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detectors(tmp_path):
     """``compare.summary``: each method's mean LDS and its paired difference from ``key_removal_banzhaf``'s;
-    ``results_markdown`` puts every run's summary in RESULTS.md's table."""
+    a sample whose LDS is undefined is not counted; ``results_markdown`` puts every run's summary in RESULTS.md's table."""
     import compare
     import pandas as pd
 
@@ -186,6 +186,10 @@ def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detect
     assert found.loc["key_removal_banzhaf", "lds_minus_best"] == 0.0
     alone = compare.summary(table[table.scorer == "peer"]).set_index("method")
     assert alone.loc["peer", "samples"] == 4 and math.isnan(alone.loc["peer", "lds_minus_best"])
+    constant = table.assign(lds=table.lds.where((table.scorer != "peer") | (table["sample"] != "s0")))
+    counted = compare.summary(constant).set_index("method")  # a constant score has no LDS on s0
+    assert counted.loc["peer", "samples"] == 3 and counted.loc["peer", "lds"] == pytest.approx(2.0 / 3)
+    assert counted.loc["peer", "lds_minus_best"] == pytest.approx(-0.2 / 3)
     assert compare.results_markdown(tmp_path) == "(no comparison has finished yet)"
     (tmp_path / "m-1024").mkdir()
     compare.summary(table.assign(source="peer")).to_csv(tmp_path / "m-1024" / "summary.csv", index=False)

@@ -22,7 +22,7 @@ so can a second beside it with ``--judge-backwards`` once every method has score
 Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
 per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
 bootstrap intervals, the paired differences of both from :data:`BEST`'s, seconds and forward passes a
-sample, samples scored), ``failures.csv`` and ``lds_vs_cost.png`` (LDS and the paired AOPC of
+sample, samples with an LDS: a constant score has none), ``failures.csv`` and ``lds_vs_cost.png`` (LDS and the paired AOPC of
 comprehensiveness against forward passes; its data: ``summary.csv``). Each peer we re-implement
 (:data:`COUNTERPARTS`) also gets, per sample, the Spearman correlation of its source scores with our
 re-implementation's (``spearman_vs_ours``).
@@ -182,7 +182,7 @@ def summary(table: pd.DataFrame, best: str = BEST) -> pd.DataFrame:
         lds = stats.bootstrap(group.lds.to_numpy())
         comp = stats.bootstrap(group.aopc_comprehensiveness.to_numpy())
         gap, comp_gap = paired(method, "lds"), paired(method, "aopc_comprehensiveness")
-        rows.append({"method": method, "source": source, "samples": len(group), "lds": lds.value,
+        rows.append({"method": method, "source": source, "samples": lds.n, "lds": lds.value,
                      "lds_low": lds.low, "lds_high": lds.high, "aopc_comprehensiveness": comp.value,
                      "aopc_low": comp.low, "aopc_high": comp.high, "lds_minus_best": gap.value,
                      "lds_minus_best_low": gap.low, "lds_minus_best_high": gap.high,
