@@ -147,7 +147,7 @@ def add_ratios(table: pd.DataFrame, baseline: str) -> pd.DataFrame:
 def intervals(table: pd.DataFrame, by: list[str], measures: list[str]) -> pd.DataFrame:
     """Each measure's mean over a group's rows (samples) with its 95 % bootstrap interval
     (:func:`probe.stats.bootstrap`), one row per group of ``by`` and measure: columns ``*by``,
-    ``measure``, ``mean``, ``low``, ``high``, ``samples``."""
+    ``measure``, ``mean``, ``low``, ``high``, ``samples`` (those with a value)."""
     from probe.stats import bootstrap
 
     rows = []
@@ -155,7 +155,7 @@ def intervals(table: pd.DataFrame, by: list[str], measures: list[str]) -> pd.Dat
         for measure in measures:
             found = bootstrap(group[measure].to_numpy())
             rows.append({**dict(zip(by, keys, strict=True)), "measure": measure, "mean": found.value,
-                         "low": found.low, "high": found.high, "samples": len(group)})  # fmt: skip
+                         "low": found.low, "high": found.high, "samples": found.n})  # fmt: skip
     return pd.DataFrame(rows)
 
 

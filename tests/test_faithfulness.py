@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -104,6 +105,26 @@ def test_lds_is_one_for_a_planted_additive_model_and_near_zero_for_noise():
     assert faithfulness.lds(weights, kept, actual) == pytest.approx(1.0)
     assert abs(faithfulness.lds(torch.randn(40, generator=generator), kept, actual)) < 0.1
     assert math.isnan(faithfulness.lds(torch.zeros(40), kept, actual))  # a constant prediction
+
+
+def test_contextcites_lasso_recovers_planted_weights_in_target_units():
+    """``lasso_surrogate``: weights per source kept (the standardization undone), 0 for a source no mask
+    varies, predictions additive in those weights."""
+    from probe.detectors.ablation import lasso_surrogate
+
+    generator = torch.Generator().manual_seed(0)
+    planted = torch.randn(12, generator=generator).double()
+    kept = faithfulness.random_masks(12, 400, seed=2)
+    kept[:, 5] = True  # kept by every mask: nothing to learn
+    planted[5] = 0.0
+    target = kept.double() @ planted - 7.0
+    weights, predict = lasso_surrogate(kept, target, alpha=1e-6)
+    torch.testing.assert_close(weights.double(), planted, atol=1e-4, rtol=0)
+    other = faithfulness.random_masks(12, 5, seed=3)
+    other[:, 5] = True
+    np.testing.assert_allclose(predict(other), (other.double() @ planted - 7.0).numpy(), atol=1e-4)
+    shrunk, _ = lasso_surrogate(kept, target, alpha=10.0)  # a penalty above every effect zeroes them all
+    assert not shrunk.any()
 
 
 def test_source_scores_by_hand(sample):

@@ -170,7 +170,8 @@ def test_a_runners_seconds_are_cpu_seconds_and_a_too_long_answer_is_a_failure_th
 
 def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detectors(tmp_path):
     """``compare.summary``: each method's mean LDS and its paired difference from ``key_removal_banzhaf``'s;
-    a sample whose LDS is undefined is not counted; ``results_markdown`` puts every run's summary in RESULTS.md's table."""
+    a sample whose LDS is undefined is not counted; ``results_markdown`` puts every run's summary in
+    RESULTS.md's table."""
     import compare
     import pandas as pd
 

@@ -22,10 +22,10 @@ so can a second beside it with ``--judge-backwards`` once every method has score
 Writes to ``--out``: ``samples.jsonl``, ``scores/*.jsonl``, ``judged/*.csv``, ``peers.csv`` (one row
 per sample and method), ``summary.csv`` (per method: mean LDS and AOPC of comprehensiveness with 95 %
 bootstrap intervals, the paired differences of both from :data:`BEST`'s, seconds and forward passes a
-sample, samples with an LDS: a constant score has none), ``failures.csv`` and ``lds_vs_cost.png`` (LDS and the paired AOPC of
-comprehensiveness against forward passes; its data: ``summary.csv``). Each peer we re-implement
-(:data:`COUNTERPARTS`) also gets, per sample, the Spearman correlation of its source scores with our
-re-implementation's (``spearman_vs_ours``).
+sample, samples with an LDS: a constant score has none), ``failures.csv`` and ``lds_vs_cost.png``
+(LDS and the paired AOPC of comprehensiveness against forward passes; its data: ``summary.csv``).
+Each peer we re-implement (:data:`COUNTERPARTS`) also gets, per sample, the Spearman correlation of
+its source scores with our re-implementation's (``spearman_vs_ours``).
 """
 
 from __future__ import annotations

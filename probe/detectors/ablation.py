@@ -7,6 +7,7 @@ ContextCite's sparse linear surrogate to random source subsets. Each token carri
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -140,6 +141,24 @@ def _single(chosen: torch.Tensor, n_sources: int) -> torch.Tensor:
     return torch.eye(n_sources, dtype=torch.bool)[chosen]
 
 
+def lasso_surrogate(
+    kept: torch.Tensor, target: torch.Tensor, alpha: float
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], np.ndarray]]:
+    """ContextCite's surrogate (Cohen-Wang et al. 2024): scikit-learn's LASSO (``alpha``) from the
+    standardized kept-source indicators ``kept`` (BoolTensor[masks, sources]) to ``target`` (Tensor[masks]).
+
+    Returns the weights in target units per source kept (Tensor[sources]; a source kept by every mask or by
+    none gets 0) and the surrogate's prediction for other masks (BoolTensor[masks, sources] → [masks]).
+    """
+    from sklearn.linear_model import Lasso
+    from sklearn.preprocessing import StandardScaler
+
+    scaler = StandardScaler().fit(kept.double().numpy())
+    lasso = Lasso(alpha=alpha).fit(scaler.transform(kept.double().numpy()), target.double().numpy())
+    weights = torch.tensor(lasso.coef_ / np.where(scaler.scale_ > 0, scaler.scale_, 1.0), dtype=torch.float32)
+    return weights, lambda other: lasso.predict(scaler.transform(other.double().numpy()))
+
+
 @register("context_cite")
 def context_cite(
     model,
@@ -165,9 +184,7 @@ def context_cite(
     the weights). ``seed`` must differ from the seed of the masks a faithfulness evaluation uses.
     Flags the sources with positive weight.
     """
-    from sklearn.linear_model import Lasso
     from sklearn.metrics import r2_score
-    from sklearn.preprocessing import StandardScaler
 
     check_number(keep, "keep", 0, 1, open_below=True)
     check_number(alpha, "alpha", 0)
@@ -178,10 +195,8 @@ def context_cite(
     kept = random_masks(n_sources, n_masks, keep, seed)
     logprob = answer_scores(model, sample, ~kept, compact=compact, target=target).logprob
     n_fit = n_masks - max(1, round(holdout * n_masks))
-    scaler = StandardScaler().fit(kept[:n_fit].double().numpy())
-    lasso = Lasso(alpha=alpha).fit(scaler.transform(kept[:n_fit].double().numpy()), logprob[:n_fit].numpy())
-    weights = torch.tensor(lasso.coef_ / np.where(scaler.scale_ > 0, scaler.scale_, 1.0), dtype=torch.float32)
-    predicted = lasso.predict(scaler.transform(kept[n_fit:].double().numpy()))
+    weights, predict = lasso_surrogate(kept[:n_fit], logprob[:n_fit], alpha)
+    predicted = predict(kept[n_fit:])
     scores = spread_over_tokens(weights, sample)
     return Detection(
         scores=scores,
