@@ -88,6 +88,7 @@ def compare_samples(
     ks: Sequence[int] = faithfulness.KS,
     ceiling_masks: int = 0,
     ablations: list[pd.DataFrame] | None = None,
+    saved: pd.DataFrame | None = None,
 ) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
     """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on ``samples``.
 
@@ -101,6 +102,9 @@ def compare_samples(
     (``{pages}_{name}.html``). ``ablations``: a list that each sample's masked passes are appended to
     (:meth:`probe.faithfulness.Ablations.to_frame` with ``task`` and ``seed``), so that a later judge
     of other scores on the same samples (``bench/peers/compare.py``) need not run them again.
+    ``saved``: masked passes another run saved with the same model (``to_frame`` rows, e.g.
+    :func:`analyses.detector_compare.saved_passes`): a mask it holds for a sample is read, not run, and
+    not appended to ``ablations`` again.
     """
     rows, layers, faithful = [], [], []
     found_all = detectors.detect_many(names, model, tokenizer, samples, options)
@@ -128,8 +132,9 @@ def compare_samples(
                     layer_enrichment(detection.details["per_layer"], sample).assign(measure=name, **about)
                 )
         passes = [] if ablations is not None else None
+        read = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
         judged = judge_faithfulness(
-            model, sample, found, source_reduce, n_masks, seed, batch_size, ks, ceiling_masks, passes
+            model, sample, found, source_reduce, n_masks, seed, batch_size, ks, ceiling_masks, passes, read
         )
         if passes:
             frames = [one.to_frame(sample) for one in passes]
@@ -157,12 +162,14 @@ def judge_faithfulness(
     ks: Sequence[int] = faithfulness.KS,
     ceiling_masks: int = 0,
     record: list[faithfulness.Ablations] | None = None,
+    saved: Sequence[faithfulness.Ablations] = (),
 ) -> pd.DataFrame:
     """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
     ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``),
     ``ablation`` (compaction or key masking). The masks an ablation detector already ran for the same
-    target (the default) are not run again. ``record``: a list that every pass of the judgement is
-    appended to, the ablation detectors' and those run here."""
+    target (the default) are not run again, nor those of ``saved`` (passes run before on this sample).
+    ``record``: a list that every pass of the judgement is appended to, the ablation detectors' and those
+    run here (not ``saved``'s)."""
     scorers = source_scorers(found, sample, source_reduce)
     known = [
         ablations
@@ -172,8 +179,8 @@ def judge_faithfulness(
     if record is not None:
         record.extend(known)
     faithful = faithfulness.evaluate(
-        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size, known=known,
-        ceiling_masks=ceiling_masks, record=record,
+        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size,
+        known=[*known, *saved], ceiling_masks=ceiling_masks, record=record,
     )  # fmt: skip
     faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
     return faithful.assign(source_reduce=source_reduce, n_masks=n_masks, ablation=faithful.attrs["ablation"])

@@ -23,7 +23,8 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
 - ``detector_{tag}_metrics.csv``: every plausibility metric per detector and sample;
 - ``detector_{tag}_ablations.csv.gz``: every masked pass of the faithfulness judgement (one row per
   sample and mask: :meth:`probe.faithfulness.Ablations.to_frame`), so that other scores are judged
-  on these samples without running them again (``bench/peers/compare.py --ablations``);
+  on these samples without running them again (``bench/peers/compare.py --ablations``, or another
+  run of this module with ``--known``: the masks it holds are read, the rest run);
 - ``detector_{tag}_faithfulness``: deletion curves (log-prob drop of the gold answer vs the number
   of top sources removed) per detector, references dashed, correct vs wrong answers; the CSV has
   every faithfulness metric per sample and scorer;
@@ -95,7 +96,7 @@ from analyses.sweep import sweep
 from probe import detectors, faithfulness, metrics, tasks
 from probe.errors import InvalidValueError
 
-NOT_SETTINGS = ("resume", "rejudge", "out", "device")  # arguments that do not make another study
+NOT_SETTINGS = ("resume", "rejudge", "out", "device", "known")  # arguments that do not make another study
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
 SCORE_COLUMNS = {
     "auroc": "AUROC (supporting)",
@@ -322,6 +323,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="keep the batches a killed run finished (in OUT/.detector_*_parts)",
     )
     parser.add_argument(
+        "--known",
+        type=Path,
+        default=None,
+        help="a study folder (or its *_ablations.csv.gz) run with the same --model, --length and --dtype: "
+        "every masked pass it saved of these samples is read, not run again (the same numbers, fewer "
+        "passes; e.g. the pruned leave-one-out reference beside an exhaustive run)",
+    )
+    parser.add_argument(
         "--rejudge",
         action="store_true",
         help="a finished study (in OUT, given with the settings it ran with): each sample's greedy answer "
@@ -354,6 +363,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--top-k must be at least 1")
     if args.rejudge and args.resume:
         parser.error("--rejudge redraws a finished study, --resume continues an unfinished one: give one")
+    if args.known is not None and args.rejudge:
+        parser.error("--known lends passes to a run, --rejudge runs none: give one")
+    if args.known is not None and not args.known.exists():
+        parser.error(f"--known {args.known} does not exist: give a study folder or its *_ablations.csv.gz")
     if args.out is not None:
         check_out(parser, args.out)
     check_device_arguments(parser, args)
@@ -415,6 +428,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     names = args.detectors or DEFAULT_DETECTORS
     tag = f"{Path(args.model).name}-{args.length}"
     finished = finished_study(args, out, tag, names) if args.rejudge else None
+    try:
+        saved = None if args.known is None else saved_passes(args.known, args.model, args.length)
+    except InvalidValueError as error:
+        raise SystemExit(f"--known: {error}") from None
+    if saved is not None and saved.empty:
+        raise SystemExit(f"--known {args.known} holds no saved passes: give a study that kept them")
     model, tokenizer = load(args)
     context = model.config.get_text_config().max_position_embeddings
     if args.length + (args.max_new_tokens or 0) > context:
@@ -424,7 +443,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if finished is not None:
         found = rejudged(finished, args, model, tokenizer)
     else:
-        found = run_study(args, out, tag, names, model, tokenizer)
+        found = run_study(args, out, tag, names, model, tokenizer, saved)
     if found is None:  # not the main process of an accelerate launch: it writes the outputs
         return pd.DataFrame()
     table = write_outputs(found, args, out, tag, names)
@@ -433,11 +452,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 def run_study(
-    args, out: Path, tag: str, names: list[str], model, tokenizer
+    args, out: Path, tag: str, names: list[str], model, tokenizer, saved: pd.DataFrame | None = None
 ) -> dict[str, pd.DataFrame] | None:
     """Every sample of the study, in resumable batches (:func:`analyses.sweep.sweep`): the tables
-    ``metrics``, ``layers``, ``faithfulness`` and ``ablations``; None in a helper process of an
-    accelerate launch."""
+    ``metrics``, ``layers``, ``faithfulness`` and ``ablations`` (the passes run here, not ``saved``'s:
+    another study's, read where they hold a mask); None in a helper process of an accelerate launch."""
     options = detector_options(names, args.length, args.seed, args.loo_top_m, args.top_k, args.lsd_k)
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]
@@ -466,6 +485,7 @@ def run_study(
             ks=args.ks,
             ceiling_masks=args.ceiling_masks,
             ablations=ablations,
+            saved=saved,
         )
         layers = pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
         tables = {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}

@@ -188,6 +188,8 @@ def test_source_scorers_use_an_ablation_detectors_own_source_scores(tiny_model_f
         (["--source-reduce", "median"], "invalid choice"),
         (["--detectors", "nope"], "invalid choice"),
         (["--length", "9000"], "context"),
+        (["--known", "/no/such/study"], "does not exist"),
+        (["--known", "/", "--rejudge"], "give one"),
     ],
 )
 def test_bad_settings_are_refused(tiny_model_folder, tmp_path, capsys, argv, message):
@@ -351,6 +353,38 @@ def test_a_rejudge_of_another_study_is_refused_before_any_model_work(
     with pytest.raises(SystemExit):
         detector_compare.main([*rejudge_argv(tiny_model_folder, out), "--resume"])
     assert "give one" in capsys.readouterr().err
+
+
+def test_a_run_reads_another_studys_saved_passes_and_gets_the_same_numbers(run, tiny_model_folder, tmp_path):
+    """``--known``: the pruned leave-one-out reference beside the ``run`` fixture's study reads the masks
+    that study ran (its LDS masks, the references' and the shared detectors' top-k masks) and runs only
+    the rest; every number equals the same run's without ``--known``. Another model's passes are refused
+    before any model work."""
+    _, study, tag = run
+    argv = [*run_argv(tiny_model_folder), "--detectors", "key_removal_grad", "leave_one_out",
+            "--loo-top-m", "2"]  # fmt: skip
+    detector_compare.main([*argv, "--out", str(tmp_path / "alone")])
+    detector_compare.main([*argv, "--out", str(tmp_path / "lent"), "--known", str(study)])
+    read = {
+        name: pd.read_csv(tmp_path / name / f"detector_{tag}_faithfulness.csv") for name in ("alone", "lent")
+    }
+    pd.testing.assert_frame_equal(read["lent"].drop(columns="seconds"), read["alone"].drop(columns="seconds"))
+    ran = {
+        name: pd.read_csv(tmp_path / name / f"detector_{tag}_ablations.csv.gz", dtype={"removed": str})
+        for name in ("alone", "lent")
+    }
+    lent = study / f"detector_{tag}_ablations.csv.gz"
+    known = set(zip(*pd.read_csv(lent, dtype={"removed": str})[["sample", "removed"]].T.values, strict=True))
+    # the judgement ran only masks the study had not; leave_one_out's own passes (none or one source
+    # removed) the detector runs itself, and they are recorded as before
+    needed = set(zip(ran["alone"]["sample"], ran["alone"].removed, strict=True))
+    lent_ran = set(zip(ran["lent"]["sample"], ran["lent"].removed, strict=True))
+    assert needed - known <= lent_ran < needed
+    assert all(removed.count("1") <= 1 for _, removed in lent_ran & known)  # leave_one_out's own
+    assert len(needed - lent_ran) >= 8 * 2  # at least the LDS masks of both samples were read
+    with pytest.raises(SystemExit, match="not of other-model"):
+        detector_compare.main(["--model", "other-model", "--known", str(study), "--out", str(tmp_path / "x")])
+    assert not any((tmp_path / "x").iterdir())  # nothing written
 
 
 def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_are_refused(tmp_path):
