@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from harness import intervals, load, report
+from harness import intervals, load, report, study_masks
 from scipy.stats import spearmanr
 
 import probe
@@ -65,8 +65,7 @@ def sample_row(
 ) -> dict:
     """One sample's LDS of each scorer, the one-pass estimate of its top source and its bias curve."""
     known = faithfulness.Ablations.from_frame(saved, sample)
-    kept_lds = faithfulness.random_masks(len(sample.sources), n_masks, 0.5, mask_seed)
-    fit = faithfulness.additive_ceiling_masks(kept_lds, 256, seed=mask_seed)  # the study's
+    kept_lds, fit = study_masks(len(sample.sources), n_masks, 256, mask_seed)
     ceiling, actual = faithfulness.additive_ceiling(fit, known.logprob_of(fit)), known.logprob_of(kept_lds)
     one_pass = probe.detect("key_removal_banzhaf", model, tokenizer, sample).source_scores()
     loo = known.leave_one_out()

@@ -17,11 +17,10 @@ Reads a finished study or the finished parts of one still running; tunes nothing
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pandas as pd
-from harness import intervals, report
+from harness import intervals, report, saved_passes_parser, study_masks
 
 from analyses.detector_compare import saved_passes
 from probe import faithfulness
@@ -46,8 +45,7 @@ def sample_curve(
     leave-one-out's (NaN unless every single removal was saved)."""
     known = faithfulness.Ablations.from_frame(rows)
     n = known.removed.shape[1]
-    kept_lds = faithfulness.random_masks(n, n_masks, 0.5, seed)
-    fit = faithfulness.additive_ceiling_masks(kept_lds, ceiling_masks, seed=seed)  # the study's draw
+    kept_lds, fit = study_masks(n, n_masks, ceiling_masks, seed)
     actual, fit_actual = known.logprob_of(kept_lds), known.logprob_of(fit)
     try:
         loo_lds = faithfulness.lds(known.leave_one_out(), kept_lds, actual)
@@ -63,17 +61,10 @@ def sample_curve(
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("studies", type=Path, nargs="+", help="held-out study folders (finished or running)")
+    parser = saved_passes_parser(__doc__)
     parser.add_argument(
         "--sizes", type=int, nargs="+", default=list(SIZES), help="masks to fit on (≤ the study's)"
     )
-    parser.add_argument("--masks", type=int, default=32, help="the studies' LDS masks (--masks)")
-    parser.add_argument("--ceiling-masks", type=int, default=256, help="the studies' --ceiling-masks")
-    parser.add_argument("--mask-seed", type=int, default=5000, help="the studies' --seed (their masks' seed)")
-    parser.add_argument("--csv", type=Path, default=None, help="the per-sample curve; its summary beside it")
     args = parser.parse_args(argv)
     if max(args.sizes) > args.ceiling_masks:
         parser.error(f"--sizes go up to {max(args.sizes)}, the studies fit on {args.ceiling_masks} masks")

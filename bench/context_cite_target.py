@@ -20,14 +20,13 @@ samples; tunes nothing (an explanation of a gap, not a new setting).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from harness import intervals, report
+from harness import intervals, report, saved_passes_parser, study_masks
 
 from analyses.detector_compare import saved_passes
 from probe import faithfulness
@@ -57,8 +56,8 @@ def sample_rows(passes: pd.DataFrame, tokens: int, n_masks: int, fit_masks: int,
     """One sample's saved passes → one row per target: LDS of the LASSO fit on the first ``fit_masks``
     ceiling masks."""
     known = faithfulness.Ablations.from_frame(passes)
-    kept_lds = faithfulness.random_masks(known.removed.shape[1], n_masks, 0.5, seed)
-    fit = faithfulness.additive_ceiling_masks(kept_lds, ceiling_masks, seed=seed)[:fit_masks]
+    kept_lds, fit = study_masks(known.removed.shape[1], n_masks, ceiling_masks, seed)
+    fit = fit[:fit_masks]
     actual, logprob = known.logprob_of(kept_lds), known.logprob_of(fit).double()
     full = float(known.logprob_of(torch.ones(1, kept_lds.shape[1], dtype=torch.bool))[0])
     rows = []
@@ -71,19 +70,12 @@ def sample_rows(passes: pd.DataFrame, tokens: int, n_masks: int, fit_masks: int,
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("studies", type=Path, nargs="+", help="held-out study folders (finished or running)")
+    parser = saved_passes_parser(__doc__)
     parser.add_argument(
         "--samples", type=Path, nargs="+", required=True, help="the peers' samples.jsonl of these studies"
     )
     parser.add_argument("--fit-masks", type=int, default=64, help="masks to fit on (ContextCite's 64)")
     parser.add_argument("--alpha", type=float, default=0.01, help="LASSO penalty (both ContextCites' 0.01)")
-    parser.add_argument("--masks", type=int, default=32, help="the studies' LDS masks (--masks)")
-    parser.add_argument("--ceiling-masks", type=int, default=256, help="the studies' --ceiling-masks")
-    parser.add_argument("--mask-seed", type=int, default=5000, help="the studies' --seed (their masks' seed)")
-    parser.add_argument("--csv", type=Path, default=None, help="per sample and target; its summary beside it")
     args = parser.parse_args(argv)
     if args.fit_masks > args.ceiling_masks:
         parser.error(f"--fit-masks {args.fit_masks} > the studies' {args.ceiling_masks} ceiling masks")

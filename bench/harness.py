@@ -179,6 +179,29 @@ def bench_parser(doc: str, methods: tuple[str, ...], lengths: list[int]) -> argp
     return parser
 
 
+def saved_passes_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a script that reads held-out studies' saved passes (no model runs): the study folders
+    and the masks the studies drew (``--masks``, ``--ceiling-masks``, ``--mask-seed``: see
+    :func:`study_masks`); scripts add their own on top."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("studies", type=Path, nargs="+", help="held-out study folders (finished or running)")
+    parser.add_argument("--masks", type=int, default=32, help="the studies' LDS masks (--masks)")
+    parser.add_argument("--ceiling-masks", type=int, default=256, help="the studies' --ceiling-masks")
+    parser.add_argument("--mask-seed", type=int, default=5000, help="the studies' --seed (their masks' seed)")
+    parser.add_argument("--csv", type=Path, default=None, help="the per-sample table; its summary beside it")
+    return parser
+
+
+def study_masks(n_sources: int, n_masks: int, ceiling_masks: int, seed: int) -> tuple:
+    """The masks a held-out study judged a sample of ``n_sources`` sources on, each BoolTensor[masks,
+    sources] (True = kept): its ``n_masks`` LDS masks and the ``ceiling_masks`` it fit the additive
+    ceiling on, drawn as :func:`probe.faithfulness.evaluate` draws them from the study's ``seed``."""
+    from probe import faithfulness
+
+    kept_lds = faithfulness.random_masks(n_sources, n_masks, 0.5, seed)
+    return kept_lds, faithfulness.additive_ceiling_masks(kept_lds, ceiling_masks, seed=seed)
+
+
 def samples_parser(doc: str) -> argparse.ArgumentParser:
     """The options of a one-process benchmark over samples; the defaults are the main job's samples
     (SmolLM2-135M, multihop-1 and multihop-2 at 1K tokens, seeds 0–11)."""
