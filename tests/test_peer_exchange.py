@@ -116,6 +116,22 @@ def test_a_peer_that_reads_text_alone_gets_longprobes_added_tokens_written_out(n
         peer_io.written_out(tokenizer, exported | {"input_ids": exported["input_ids"][:-1]})
 
 
+def test_cutting_a_source_out_takes_the_whitespace_before_it_and_keeps_the_text_between():
+    """``peer_io.cut_out``: ContextCite's ablation (its runner's ``SpanPartitioner``), by hand."""
+    import peer_io
+
+    text = "Facts:  Ann is in the hall.\n\nBob has the key. Question?"
+    sources = [[8, 27], [29, 45]]  # "Ann is in the hall." and "Bob has the key."
+    assert [text[a:b] for a, b in peer_io.source_cuts(text, sources)] == [
+        "  Ann is in the hall.",
+        "\n\nBob has the key.",
+    ]
+    assert peer_io.cut_out(text, sources, [True, True]) == text
+    assert peer_io.cut_out(text, sources, [False, True]) == "Facts:\n\nBob has the key. Question?"
+    assert peer_io.cut_out(text, sources, [True, False]) == "Facts:  Ann is in the hall. Question?"
+    assert peer_io.cut_out(text, sources, [False, False]) == "Facts: Question?"
+
+
 def test_a_killed_run_resumes_where_it_stopped_and_writes_its_answers_once(tmp_path):
     """``peer_io.resumable``: finished lines survive a kill (a cut-off last line is run again), no job
     runs twice, and the answers file appears only when every job has its line."""

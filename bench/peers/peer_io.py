@@ -146,6 +146,30 @@ def written_out(tokenizer, sample: dict) -> dict:
     return shifted
 
 
+def source_cuts(text: str, sources: list[list[int]]) -> list[tuple[int, int]]:
+    """What removing each source cuts out of ``text`` when removal cuts text (ContextCite's ablation):
+    its characters and the whitespace just before it, back to the previous source's end; the text
+    between sources that is no source stays."""
+    cuts, previous = [], 0
+    for start, end in sources:
+        first = start
+        while first > previous and text[first - 1].isspace():
+            first -= 1
+        cuts.append((first, end))
+        previous = end
+    return cuts
+
+
+def cut_out(text: str, sources: list[list[int]], kept: Iterable[bool]) -> str:
+    """``text`` with every source not ``kept`` cut out (:func:`source_cuts`)."""
+    pieces, cursor = [], 0
+    for (start, end), keep in zip(source_cuts(text, sources), kept, strict=True):
+        if not keep:
+            pieces.append(text[cursor:start])
+            cursor = end
+    return "".join(pieces) + text[cursor:]
+
+
 def sum_by_source(values: list[float], offsets: list[tuple[int, int]], sample: dict) -> list[float]:
     """Each source's score: the sum of its tokens' ``values`` (:func:`source_of_token`)."""
     scores = [0.0] * len(sample["sources"])

@@ -34,14 +34,6 @@ class SpanPartitioner(BaseContextPartitioner):
     def __init__(self, context: str, spans: list[list[int]]) -> None:
         super().__init__(context)
         self.spans = [(start, end) for start, end in spans]
-        self.owned = []  # (start, end) each source removes: the span and the whitespace just before it
-        previous = 0
-        for start, end in self.spans:
-            first = start
-            while first > previous and context[first - 1].isspace():
-                first -= 1
-            self.owned.append((first, end))
-            previous = end
 
     @property
     def num_sources(self) -> int:
@@ -56,15 +48,7 @@ class SpanPartitioner(BaseContextPartitioner):
 
     def get_context(self, mask: np.ndarray | None = None) -> str:
         """The prompt with the sources where ``mask`` is False removed."""
-        if mask is None:
-            return self.context
-        pieces, cursor = [], 0
-        for (start, end), keep in zip(self.owned, mask, strict=True):
-            if not keep:
-                pieces.append(self.context[cursor:start])
-                cursor = end
-        pieces.append(self.context[cursor:])
-        return "".join(pieces)
+        return self.context if mask is None else peer_io.cut_out(self.context, self.spans, mask)
 
 
 class ExportedCiter(ContextCiter):
