@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from harness import intervals, report, saved_passes_parser, study_masks
+from harness import intervals, report_with_summary, saved_passes_parser, study_masks
 
 from analyses.detector_compare import saved_passes
 from probe import faithfulness
@@ -83,9 +83,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     table["ceiling_minus_loo"] = table.lds_ceiling - table.lds_leave_one_out
     by = ["model", "length", "fit_masks"]
     summary = intervals(table, by, ["lds_ceiling", "ceiling_minus_loo"])
-    if args.csv:
-        report(table, args.csv)
-    return report(summary, args.csv.with_name(f"{args.csv.stem}_summary.csv") if args.csv else None)
+    return report_with_summary(table, summary, args.csv)
 
 
 if __name__ == "__main__":

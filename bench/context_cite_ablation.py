@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from harness import intervals, report, saved_passes_parser, study_masks
+from harness import intervals, report_with_summary, saved_passes_parser, study_masks
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         [intervals(table, ["removal", "method"], ["lds"]),
          intervals(pairs, ["removal"], [f"{a} − {b}" for a, b in PAIRS])]
     )  # fmt: skip
-    if args.csv:
-        report(table, args.csv)
-    return report(summary, args.csv.with_name(f"{args.csv.stem}_summary.csv") if args.csv else None)
+    return report_with_summary(table, summary, args.csv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from harness import intervals, report, saved_passes_parser, study_masks
+from harness import intervals, report_with_summary, saved_passes_parser, study_masks
 
 from analyses.detector_compare import saved_passes
 from probe import faithfulness
@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         [intervals(table, ["model", "target"], ["lds", "minus_ours"]),
          intervals(by_task, ["model", "target"], ["minus_ours"])]
     )  # fmt: skip
-    if args.csv:
-        report(table, args.csv)
-    return report(summary, args.csv.with_name(f"{args.csv.stem}_summary.csv") if args.csv else None)
+    return report_with_summary(table, summary, args.csv)
 
 
 if __name__ == "__main__":

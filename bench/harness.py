@@ -167,6 +167,14 @@ def report(table: pd.DataFrame, csv: Path | None) -> pd.DataFrame:
     return table
 
 
+def report_with_summary(table: pd.DataFrame, summary: pd.DataFrame, csv: Path | None) -> pd.DataFrame:
+    """:func:`report` of a per-sample ``table`` to ``csv`` and of its ``summary`` to ``{csv}_summary.csv``
+    beside it (only the summary is printed); the summary."""
+    if csv:
+        atomic_write(csv, lambda tmp: table.to_csv(tmp, index=False))
+    return report(summary, csv.with_name(f"{csv.stem}_summary.csv") if csv else None)
+
+
 def bench_parser(doc: str, methods: tuple[str, ...], lengths: list[int]) -> argparse.ArgumentParser:
     """The options every child-process benchmark takes; scripts add their own on top."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
