@@ -428,12 +428,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     names = args.detectors or DEFAULT_DETECTORS
     tag = f"{Path(args.model).name}-{args.length}"
     finished = finished_study(args, out, tag, names) if args.rejudge else None
-    try:
-        saved = None if args.known is None else saved_passes(args.known, args.model, args.length)
-    except InvalidValueError as error:
-        raise SystemExit(f"--known: {error}") from None
-    if saved is not None and saved.empty:
-        raise SystemExit(f"--known {args.known} holds no saved passes: give a study that kept them")
+    saved = None
+    if args.known is not None:
+        try:
+            saved = saved_passes(args.known, args.model, args.length, args.dtype or "")
+        except InvalidValueError as error:
+            raise SystemExit(f"--known: {error}") from None
+        if saved.empty:
+            raise SystemExit(f"--known {args.known} holds no saved passes: give a study that kept them")
     model, tokenizer = load(args)
     context = model.config.get_text_config().max_position_embeddings
     if args.length + (args.max_new_tokens or 0) > context:
@@ -554,27 +556,44 @@ def rejudged(found: dict[str, pd.DataFrame], args, model, tokenizer) -> dict[str
     return tables
 
 
-def saved_passes(path: Path, model: str | None = None, length: int | None = None) -> pd.DataFrame:
+def saved_passes(
+    path: Path, model: str | None = None, length: int | None = None, dtype: str | None = None
+) -> pd.DataFrame:
     """Every masked pass a study saved (:meth:`probe.faithfulness.Ablations.to_frame` rows with
-    ``model`` and ``length``): its ``detector_*_ablations.csv.gz`` or, for ``path`` a study folder, that
-    and the finished parts of a run still going. With ``model`` / ``length``: refused unless the passes
-    were run with that model at that length. Each sample's are told apart by digest (``sample``)."""
+    ``model``, ``length`` and ``dtype``, its ``--dtype``, "" for the model's own): its
+    ``detector_*_ablations.csv.gz`` or, for ``path`` a study folder, that and the finished parts of a run
+    still going. With ``model`` / ``length`` / ``dtype``: refused unless the passes were run with that
+    model at that length in that dtype. Each sample's are told apart by digest (``sample``)."""
     files = sorted(path.glob("detector_*_ablations.csv.gz")) if path.is_dir() else [path]
-    frames = [pd.read_csv(file, dtype={"removed": str}) for file in files]
+    frames = [pd.read_csv(file, dtype={"removed": str, "dtype": str}) for file in files]
     for parts in sorted(path.glob(".detector_*_parts")) if path.is_dir() else []:
         recorded = json.loads((parts / "settings.json").read_text())
+        about = {
+            "model": recorded["model"],
+            "length": recorded["length"],
+            "dtype": recorded.get("dtype") or "",
+        }
         for part in sorted(parts.glob("*.pkl")):
             tables = pd.read_pickle(part)
             if "ablations" in tables:
-                frames.append(tables["ablations"].assign(model=recorded["model"], length=recorded["length"]))
-    columns = ["sample", "removed", "logprob", "correct", "model", "length"]
+                frames.append(tables["ablations"].assign(**about))
+    columns = ["sample", "removed", "logprob", "correct", "model", "length", "dtype"]
     saved = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
-    wrong_model = model is not None and set(saved.model) - {model}
-    wrong_length = length is not None and set(saved.length) - {length}
-    if wrong_model or wrong_length:
+    saved["dtype"] = saved.get("dtype", pd.Series(index=saved.index, dtype=str)).fillna(
+        ""
+    )  # before dtypes: ""
+    wrong = {
+        "model": model is not None and set(saved.model) - {model},
+        "length": length is not None and set(saved.length) - {length},
+        "dtype": dtype is not None and set(saved.dtype) - {dtype},
+    }
+    if any(wrong.values()):
+        held = ", ".join(f"{key} {sorted(set(saved[key]))}" for key in wrong)
+        asked = ", ".join(
+            f"{key} {value!r}" for key, value in zip(wrong, (model, length, dtype), strict=True)
+        )
         raise InvalidValueError(
-            f"{path} holds passes of {sorted(set(saved.model))} at {sorted(set(saved.length))} tokens, "
-            f"not of {model} at {length}: pass that study's file or none"
+            f"{path} holds passes of {held}, not of {asked}: pass that study's file or none"
         )
     return saved
 
@@ -589,7 +608,7 @@ def write_outputs(
     layers = [found["layers"]] if "layers" in found and not found["layers"].empty else []
     atomic_write(out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
     if "ablations" in found:  # every masked pass, for judging other scores on these samples later
-        passes = found["ablations"].assign(**settings)
+        passes = found["ablations"].assign(**settings, dtype=args.dtype or "")
         atomic_write(
             out / f"detector_{tag}_ablations.csv.gz",
             lambda tmp: passes.to_csv(tmp, index=False, compression="gzip"),

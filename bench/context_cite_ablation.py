@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     torch.set_num_threads(1)
     model, tokenizer = probe.load_model(args.model)
     methods = method_scores(args.peers)
-    saved = pd.concat([saved_passes(study, args.model) for study in args.studies], ignore_index=True)
+    saved = pd.concat(
+        [saved_passes(study, args.model, dtype="") for study in args.studies], ignore_index=True
+    )
     rows = []
     exported = list(peer_io.samples(args.peers / "samples.jsonl"))
     for sample in tqdm(exported, desc="samples"):

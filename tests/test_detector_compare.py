@@ -382,8 +382,12 @@ def test_a_run_reads_another_studys_saved_passes_and_gets_the_same_numbers(run, 
     assert needed - known <= lent_ran < needed
     assert all(removed.count("1") <= 1 for _, removed in lent_ran & known)  # leave_one_out's own
     assert len(needed - lent_ran) >= 8 * 2  # at least the LDS masks of both samples were read
-    with pytest.raises(SystemExit, match="not of other-model"):
+    with pytest.raises(SystemExit, match="not of model 'other-model'"):
         detector_compare.main(["--model", "other-model", "--known", str(study), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="dtype 'bfloat16'"):  # float32 passes lent to a bfloat16 run
+        detector_compare.main(
+            [*argv, "--dtype", "bfloat16", "--known", str(study), "--out", str(tmp_path / "x")]
+        )
     assert not any((tmp_path / "x").iterdir())  # nothing written
 
 
@@ -400,6 +404,9 @@ def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_
     done.to_csv(tmp_path / "detector_m-1024_ablations.csv.gz", index=False, compression="gzip")
     saved = detector_compare.saved_passes(tmp_path, "m", 1024)
     assert sorted(saved["sample"]) == ["s1", "s2"] and set(saved.removed) == {"0010"}
+    assert set(saved.dtype) == {""}  # the model's own: a part's recorded --dtype, a file from before dtypes
     assert detector_compare.saved_passes(tmp_path).equals(saved)
-    with pytest.raises(InvalidValueError, match="not of other at 1024"):
+    with pytest.raises(InvalidValueError, match="not of model 'other'"):
         detector_compare.saved_passes(tmp_path, "other", 1024)
+    with pytest.raises(InvalidValueError, match="dtype 'bfloat16'"):
+        detector_compare.saved_passes(tmp_path, "m", 1024, "bfloat16")

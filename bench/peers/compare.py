@@ -337,7 +337,7 @@ def main() -> None:
     saved = None
     if args.ablations:
         try:
-            saved = saved_passes(args.ablations, args.model, args.length)
+            saved = saved_passes(args.ablations, args.model, args.length, dtype="")  # the model's own
         except InvalidValueError as error:
             parser.error(str(error))
         print(f"{len(saved)} saved passes of {saved['sample'].nunique()} samples from {args.ablations}")
