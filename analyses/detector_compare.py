@@ -92,7 +92,7 @@ from analyses.comparison import (
     verdicts_markdown,
 )
 from analyses.output import atomic_write, save_figure
-from analyses.sweep import sweep
+from analyses.sweep import part_name, sweep
 from probe import detectors, faithfulness, metrics, tasks
 from probe.errors import InvalidValueError
 
@@ -320,7 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the batches a killed run finished (in OUT/.detector_*_parts)",
+        help="keep the batches a killed run finished and the masked passes of the one it was in "
+        "(in OUT/.detector_*_parts)",
     )
     parser.add_argument(
         "--known",
@@ -462,33 +463,42 @@ def run_study(
     options = detector_options(names, args.length, args.seed, args.loo_top_m, args.top_k, args.lsd_k)
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]
+    parts = out / f".detector_{tag}_parts"
 
     def run(job: tuple) -> dict[str, pd.DataFrame]:
-        """One batch of samples (``job`` = task, seed, task, seed, ...): its three tables."""
+        """One batch of samples (``job`` = task, seed, task, seed, ...): its three tables. Its masked passes
+        are journaled as they run (:class:`probe.faithfulness.PassJournal`): with ``--resume`` a killed
+        batch goes on mid-sample."""
         pairs = zip(job[::2], job[1::2], strict=True)
         ablations = []
-        chunk = [
-            tasks.make(task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options))
-            for task, seed in pairs
-        ]
-        rows, layers, faithful = compare_samples(
-            model,
-            tokenizer,
-            chunk,
-            names,
-            args.top_k,
-            args.max_new_tokens,
-            options,
-            source_reduce=args.source_reduce,
-            n_masks=args.masks,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            pages=out / f"detector_{tag}_view" if job == jobs[0] else None,
-            ks=args.ks,
-            ceiling_masks=args.ceiling_masks,
-            ablations=ablations,
-            saved=saved,
-        )
+        journal = parts / f"{part_name(job)}.passes.jsonl"
+        if not args.resume:  # a journal left by an earlier run may hold other settings' passes
+            journal.unlink(missing_ok=True)
+        with faithfulness.PassJournal(journal):
+            chunk = [
+                tasks.make(
+                    task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options)
+                )
+                for task, seed in pairs
+            ]
+            rows, layers, faithful = compare_samples(
+                model,
+                tokenizer,
+                chunk,
+                names,
+                args.top_k,
+                args.max_new_tokens,
+                options,
+                source_reduce=args.source_reduce,
+                n_masks=args.masks,
+                seed=args.seed,
+                batch_size=args.batch_size,
+                pages=out / f"detector_{tag}_view" if job == jobs[0] else None,
+                ks=args.ks,
+                ceiling_masks=args.ceiling_masks,
+                ablations=ablations,
+                saved=saved,
+            )
         layers = pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
         tables = {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
         return tables | ({"ablations": pd.concat(ablations, ignore_index=True)} if ablations else {})
@@ -498,7 +508,7 @@ def run_study(
     return sweep(
         jobs,
         run,
-        out / f".detector_{tag}_parts",
+        parts,
         args.resume,
         desc=f"detector_compare {args.model} (batches)",
         settings=settings,

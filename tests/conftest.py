@@ -67,3 +67,34 @@ def tiny_model_folder(tmp_path_factory):
     probe.tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+class PassCounter:
+    """Every masked pass of :func:`probe.faithfulness.answer_scores` counted in ``calls``; with
+    :meth:`kill_after` the pass after that many is killed (``KeyboardInterrupt``), as a killed run is."""
+
+    def __init__(self, monkeypatch):
+        from probe import faithfulness
+
+        self.calls, self.limit = 0, None
+        for name in ("compacted_pass", "masked_pass"):
+            monkeypatch.setattr(faithfulness, name, self._counted(getattr(faithfulness, name)))
+
+    def _counted(self, function):
+        def counted(*args, **kwargs):
+            if self.calls == self.limit:
+                raise KeyboardInterrupt("killed")
+            self.calls += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+    def kill_after(self, limit: int | None) -> None:
+        """Count from 0 again; kill the run at the pass after ``limit`` of them (None: never)."""
+        self.calls, self.limit = 0, limit
+
+
+@pytest.fixture
+def passes(monkeypatch) -> PassCounter:
+    """A :class:`PassCounter` of this test's masked passes."""
+    return PassCounter(monkeypatch)

@@ -222,6 +222,37 @@ def killed_in_the_second_task(monkeypatch) -> None:
     monkeypatch.setattr(detector_compare, "compare_samples", killed)
 
 
+def test_a_run_killed_mid_sample_resumes_from_its_journaled_passes(tiny_model_folder, tmp_path, passes):
+    """Every masked pass is journaled as it runs: a run killed halfway through its sample goes on with
+    ``--resume``, running only the passes it lacked, and writes an unbroken run's numbers; a run without
+    ``--resume`` reads no journal."""
+    argv = [*run_argv(tiny_model_folder), "--tasks", "multihop-1", "--detectors", "key_removal_grad"]
+    argv += ["leave_one_out", "--ceiling-masks", "8"]
+    detector_compare.main([*argv, "--out", str(tmp_path / "unbroken")])
+    total = passes.calls
+    passes.kill_after(total // 2)
+    with pytest.raises(KeyboardInterrupt):
+        detector_compare.main([*argv, "--out", str(tmp_path / "killed")])
+    (journal,) = (tmp_path / "killed").glob(".detector_*_parts/multihop-1__0.passes.jsonl")
+    assert len(journal.read_text().splitlines()) == total // 2
+    passes.kill_after(None)
+    detector_compare.main([*argv, "--out", str(tmp_path / "killed"), "--resume"])
+    assert passes.calls == total - total // 2
+    tag = f"{tiny_model_folder.name}-192"
+    read = {
+        name: pd.read_csv(tmp_path / name / f"detector_{tag}_faithfulness.csv").drop(columns="seconds")
+        for name in ("unbroken", "killed")
+    }
+    pd.testing.assert_frame_equal(read["killed"], read["unbroken"])
+    assert not list((tmp_path / "killed").glob(".detector_*_parts"))  # finished: the journal is gone
+    passes.kill_after(total // 2)
+    with pytest.raises(KeyboardInterrupt):
+        detector_compare.main([*argv, "--out", str(tmp_path / "again")])
+    passes.kill_after(None)
+    detector_compare.main([*argv, "--out", str(tmp_path / "again")])  # no --resume: every pass runs
+    assert passes.calls == total
+
+
 def test_a_resume_after_the_default_detectors_changed_is_refused(tiny_model_folder, tmp_path, monkeypatch):
     """The parts record the detectors that ran, not "the default": a resume under another default set
     would add rows of other detectors to some samples only."""
