@@ -16,6 +16,7 @@ test at this scale are listed as *not testable*, with the reason.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,27 +154,49 @@ def task_set(names: Iterable[str]) -> str:
 
 
 def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
-    """Every detector-comparison study's faithfulness rows under ``figures``, one frame per CSV, each
-    with its ablation reference (:func:`loo_reference`) and its ``tasks`` (:func:`task_set`)."""
-    paths = sorted(figures.glob("**/detector_*_faithfulness.csv"))
-    if not paths:
+    """Every detector-comparison study's faithfulness rows under ``figures``, one frame per study, each
+    with its ablation reference (:func:`loo_reference`), its ``tasks`` (:func:`task_set`), the samples
+    it ``planned`` and whether it is still ``running``: the finished studies' CSVs and, for a study still
+    running, the samples its finished parts hold (``.detector_*_parts/``, :func:`analyses.sweep.sweep`),
+    so that a long run reports what it reached."""
+    studies = []
+    for path in sorted(figures.glob("**/detector_*_faithfulness.csv")):
+        faithful = pd.read_csv(path)
+        metrics = path.with_name(path.name.replace("_faithfulness.csv", "_metrics.csv"))
+        metrics = pd.read_csv(metrics) if metrics.exists() else pd.DataFrame(columns=["detector"])
+        studies.append((faithful, metrics, len(faithful[["task", "seed"]].drop_duplicates()), False))
+    for settings in sorted(figures.glob("**/.detector_*_parts/settings.json")):
+        parts = [pd.read_pickle(part) for part in sorted(settings.parent.glob("*.pkl"))]
+        if parts:
+            recorded = json.loads(settings.read_text())
+            about = {
+                "model": recorded["model"],
+                "length": recorded["length"],
+            }  # as the finished CSVs get them
+            faithful, metrics = (
+                pd.concat([part[name] for part in parts]).assign(**about)
+                for name in ("faithfulness", "metrics")
+            )
+            studies.append((faithful, metrics, len(recorded["tasks"]) * recorded["samples"], True))
+    if not studies:
         raise FileNotFoundError(
             f"no detector_*_faithfulness.csv under {figures}: run analyses.detector_compare"
         )
-    studies = [(path, pd.read_csv(path)) for path in paths]
     return [
-        frame.assign(loo_reference=loo_reference(path, frame), tasks=task_set(frame.task))
-        for path, frame in studies
+        faithful.assign(
+            loo_reference=loo_reference(metrics, faithful),
+            tasks=task_set(faithful.task),
+            planned=planned,
+            running=running,
+        )
+        for faithful, metrics, planned, running in studies
     ]
 
 
-def loo_reference(faithfulness_csv: Path, faithful: pd.DataFrame) -> str:
-    """How the study's ``leave_one_out`` reference was run, from the metrics CSV beside its
-    faithfulness CSV (``faithful``, read from ``faithfulness_csv``): ``exhaustive`` (a pass per source
-    on every sample), ``pruned`` (fewer on some) or ``none``."""
-    metrics = faithfulness_csv.with_name(faithfulness_csv.name.replace("_faithfulness.csv", "_metrics.csv"))
-    rows = pd.read_csv(metrics) if metrics.exists() else pd.DataFrame(columns=["detector"])
-    loo = rows[rows.detector == "leave_one_out"]
+def loo_reference(metrics: pd.DataFrame, faithful: pd.DataFrame) -> str:
+    """How a study's ``leave_one_out`` reference was run, from its ``metrics`` and ``faithful`` rows:
+    ``exhaustive`` (a pass per source on every sample), ``pruned`` (fewer on some) or ``none``."""
+    loo = metrics[metrics.detector == "leave_one_out"]
     if loo.empty:
         return "none"
     sources = faithful.groupby(["task", "seed"]).n_sources.first()
@@ -208,7 +231,11 @@ def detector_advantage(
         difference = bootstrap(table[better] - table[worse], over="samples")
         models = ", ".join(sorted(rows.model.unique()))
         setting = f"{models}; {len(table)} {on} samples at {length // 1024}K; {column}"
-        return Measured(difference, setting)
+        running = rows[rows.running].drop_duplicates("model")
+        note = ", ".join(
+            f"{row.model} still running, {row.planned} samples planned" for row in running.itertuples()
+        )
+        return Measured(difference, setting, note=note)
 
     return measure
 
@@ -219,19 +246,20 @@ def ranking_by_length(figures: Path) -> pd.DataFrame:
     and the LDS rank within the study (1 = most faithful).
 
     One row per (tasks, model, length, scorer): ``n`` samples, ``lds``, ``lds_low``, ``lds_high``,
-    ``aopc``, ``aopc_low``, ``aopc_high``, ``rank`` and the study's ``loo_reference``.
+    ``aopc``, ``aopc_low``, ``aopc_high``, ``rank``, the study's ``loo_reference``, the samples it
+    ``planned`` and whether it is still ``running``.
     """
     rows = faithfulness_rows(figures)
     records = []
-    for (on, model, length, scorer, reference), group in rows.groupby(
-        ["tasks", "model", "length", "scorer", "loo_reference"]
+    for (on, model, length, scorer, reference, planned, running), group in rows.groupby(
+        ["tasks", "model", "length", "scorer", "loo_reference", "planned", "running"]
     ):
         lds = bootstrap(group.lds, over="samples")
         aopc = bootstrap(group.aopc_comprehensiveness, over="samples")
         records.append(
             dict(tasks=on, model=model, length=length, scorer=scorer, n=lds.n, lds=lds.value, lds_low=lds.low,
                  lds_high=lds.high, aopc=aopc.value, aopc_low=aopc.low, aopc_high=aopc.high,
-                 loo_reference=reference)
+                 loo_reference=reference, planned=planned, running=running)
         )  # fmt: skip
     table = pd.DataFrame(records)
     study = ["tasks", "model", "length"]
@@ -241,15 +269,16 @@ def ranking_by_length(figures: Path) -> pd.DataFrame:
 
 def ranking_markdown(table: pd.DataFrame) -> str:
     """One column per study (model at length on a task set): each scorer's LDS [95 % CI] and its rank
-    there."""
+    there; a study still running says how many of its planned samples it reached."""
     study = ["tasks", "model", "length"]
-    studies = table[[*study, "n", "loo_reference"]].drop_duplicates(study)
+    studies = table[[*study, "n", "planned", "running", "loo_reference"]].drop_duplicates(study)
     listed = {name: i for i, name in enumerate(TASK_SETS)}  # the named task sets first, in their order
     studies = studies.assign(listed=studies.tasks.map(listed).fillna(len(listed)))
     studies = studies.sort_values(["listed", "tasks", "length", "model"])
     reference = {"none": ""} | {kind: f"; {kind} leave-one-out" for kind in ("exhaustive", "pruned")}
     heads = [
-        f"{row.model} {row.length // 1024}K {row.tasks} (n = {row.n}{reference[row.loo_reference]})"
+        f"{row.model} {row.length // 1024}K {row.tasks} (n = {row.n}"
+        f"{f' of {row.planned}, running' if row.running else ''}{reference[row.loo_reference]})"
         for row in studies.itertuples()
     ]
     order = table.groupby("scorer").lds.mean().sort_values(ascending=False).index

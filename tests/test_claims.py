@@ -1,5 +1,7 @@
 """The claims table: verdicts from intervals, rows from the studies' CSVs, RESULTS.md between markers."""
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -121,19 +123,41 @@ def test_detector_rows_and_the_ranking_are_per_length_and_task_set(tmp_path):
     assert "#1" in text.split("`information_flow`")[1].split("\n")[0]
 
 
+def test_a_study_still_running_is_ranked_on_the_samples_its_finished_parts_hold(tmp_path):
+    """A long run's finished parts (``.detector_*_parts/*.pkl``) enter the length table with the samples
+    they hold, the samples planned and its reference; its column says it is still running."""
+    parts = tmp_path / "studies" / "long" / ".detector_m-4096_parts"
+    parts.mkdir(parents=True)
+    settings = {"model": "m", "length": 4096, "tasks": ["kv", "multihop-4"], "samples": 3}
+    (parts / "settings.json").write_text(json.dumps(settings))
+    for seed in (5000, 5001):
+        faithful = pd.DataFrame(
+            dict(task="kv", seed=seed, scorer=["leave_one_out", "attention", "information_flow"],
+                 lds=[0.8, 0.2 + seed % 2 / 10, 0.5], aopc_comprehensiveness=[2.0, 0.5, 1.0], n_sources=3)
+        )  # fmt: skip
+        metrics = pd.DataFrame(
+            dict(detector=["leave_one_out", "attention"], task="kv", seed=seed, passes=[4, 1])
+        )
+        pd.to_pickle({"faithfulness": faithful, "metrics": metrics}, parts / f"kv__{seed}.pkl")
+    ranking = claims.ranking_by_length(tmp_path)
+    assert set(ranking.n) == {2} and set(ranking.planned) == {6} and ranking.running.all()
+    assert set(ranking.loo_reference) == {"exhaustive"}
+    assert ranking.set_index("scorer").lds["attention"] == pytest.approx(0.25)
+    assert "m 4K held-out (n = 2 of 6, running; exhaustive leave-one-out)" in claims.ranking_markdown(ranking)
+    (claim,) = claims.evaluate(tmp_path, ["flow_vs_attention_4k_held-out"]).itertuples()
+    assert claim.ours == pytest.approx(0.5) and "(m still running, 6 samples planned)" in claim.setting
+
+
 @pytest.mark.parametrize("passes, expected", [([5, 5], "exhaustive"), ([5, 3], "pruned"), (None, "none")])
 def test_each_study_says_how_its_leave_one_out_reference_ran(tmp_path, passes, expected):
     """A pass per source on every sample is exhaustive; fewer anywhere is pruned; no leave-one-out rows
     (or no metrics file) is none."""
-    faithful = tmp_path / "detector_m-1024_faithfulness.csv"
-    pd.DataFrame({"task": ["t", "t"], "seed": [0, 1], "n_sources": [4, 4], "scorer": ["x", "x"]}).to_csv(
-        faithful, index=False
+    faithful = pd.DataFrame({"task": ["t", "t"], "seed": [0, 1], "n_sources": [4, 4], "scorer": ["x", "x"]})
+    metrics = pd.DataFrame(
+        {"detector": "leave_one_out", "task": "t", "seed": [0, 1], "passes": passes or [0, 0]}
     )
-    if passes is not None:
-        pd.DataFrame({"detector": "leave_one_out", "task": "t", "seed": [0, 1], "passes": passes}).to_csv(
-            tmp_path / "detector_m-1024_metrics.csv", index=False
-        )
-    assert claims.loo_reference(faithful, pd.read_csv(faithful)) == expected
+    metrics = metrics if passes is not None else metrics.iloc[:0]
+    assert claims.loo_reference(metrics, faithful) == expected
 
 
 @pytest.mark.parametrize(
