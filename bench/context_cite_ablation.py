@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import peer_io  # noqa: E402
+from exchange import key_fields  # noqa: E402
 
 import probe  # noqa: E402
 from analyses.detector_compare import saved_passes  # noqa: E402
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = []
     exported = list(peer_io.samples(args.peers / "samples.jsonl"))
     for sample in tqdm(exported, desc="samples"):
-        task, _, seed = sample["key"].rsplit("-", 2)
-        passes = saved[(saved.task == task) & (saved.seed == int(seed))]
+        task, _, seed = key_fields(sample["key"])
+        passes = saved[(saved.task == task) & (saved.seed == seed)]
         known = faithfulness.Ablations.from_frame(passes)
         kept, _ = study_masks(len(sample["sources"]), args.masks, args.ceiling_masks, args.mask_seed)
         whole = torch.ones(1, len(sample["sources"]), dtype=torch.bool)  # nothing cut: the study's full pass

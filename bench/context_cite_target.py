@@ -21,6 +21,7 @@ samples; tunes nothing (an explanation of a gap, not a new setting).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +29,12 @@ import pandas as pd
 import torch
 from harness import intervals, report_with_summary, saved_passes_parser, study_masks
 
-from analyses.detector_compare import saved_passes
-from probe import faithfulness
-from probe.detectors.ablation import lasso_surrogate
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from exchange import key_fields  # noqa: E402
+
+from analyses.detector_compare import saved_passes  # noqa: E402
+from probe import faithfulness  # noqa: E402
+from probe.detectors.ablation import lasso_surrogate  # noqa: E402
 
 TARGETS = {  # name → (target from log p [masks] and answer tokens, per answer token as ContextCite fits it)
     "log p (ours)": (lambda logprob: logprob, False),
@@ -46,8 +50,8 @@ def answer_tokens(exported: list[Path]) -> dict[tuple[str, int], int]:
     for path in exported:
         for line in path.read_text().splitlines():
             sample = json.loads(line)
-            task, _, seed = sample["key"].rsplit("-", 2)
-            counts[task, int(seed)] = len(sample["input_ids"]) - sample["prompt_tokens"]
+            task, _, seed = key_fields(sample["key"])
+            counts[task, seed] = len(sample["input_ids"]) - sample["prompt_tokens"]
     return counts
 
 

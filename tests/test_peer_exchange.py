@@ -37,6 +37,7 @@ def test_a_peer_round_trip_is_judged_like_our_detectors(samples, tmp_path):
         spans = [sample.char_spans[s.category][s.index] for s in sample.sources]
         lengths = [end - start for start, end in spans]
         assert scores[exchange.sample_key(sample)][0].tolist() == lengths
+        assert exchange.key_fields(exchange.sample_key(sample)) == (sample.task, sample.length, sample.seed)
     vocab = len(AutoTokenizer.from_pretrained(converted_folder("smollm2-135m")))
     model = probe.tiny_model("llama", vocab_size=vocab, max_position_embeddings=512)
     table = exchange.judge(model, samples, {"fake": scores}, ceiling_masks=24, ks=(1,), n_masks=8)

@@ -35,6 +35,12 @@ def sample_key(sample: Sample) -> str:
     return f"{sample.task}-{sample.length}-{sample.seed}"
 
 
+def key_fields(key: str) -> tuple[str, int, int]:
+    """The task, length and seed of a :func:`sample_key` (a task's name may hold "-")."""
+    task, length, seed = key.rsplit("-", 2)
+    return task, int(length), int(seed)
+
+
 def export(samples: Sequence[Sample], model_folder: str | Path, path: str | Path) -> Path:
     """Write ``samples`` for a peer (module docstring), one JSON line each, atomically."""
     lines = [
