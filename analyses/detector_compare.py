@@ -95,6 +95,7 @@ from analyses.output import atomic_write, save_figure
 from analyses.sweep import part_name, sweep
 from probe import detectors, faithfulness, metrics, tasks
 from probe.errors import InvalidValueError
+from probe.journal import Journal
 
 NOT_SETTINGS = ("resume", "rejudge", "out", "device", "known")  # arguments that do not make another study
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
@@ -320,8 +321,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the batches a killed run finished and the masked passes of the one it was in "
-        "(in OUT/.detector_*_parts)",
+        help="keep the batches a killed run finished and the detections and masked passes of the one it "
+        "was in (in OUT/.detector_*_parts)",
     )
     parser.add_argument(
         "--known",
@@ -466,15 +467,15 @@ def run_study(
     parts = out / f".detector_{tag}_parts"
 
     def run(job: tuple) -> dict[str, pd.DataFrame]:
-        """One batch of samples (``job`` = task, seed, task, seed, ...): its three tables. Its masked passes
-        are journaled as they run (:class:`probe.faithfulness.PassJournal`): with ``--resume`` a killed
-        batch goes on mid-sample."""
+        """One batch of samples (``job`` = task, seed, task, seed, ...): its three tables. Its detections
+        and masked passes are journaled as they finish (:class:`probe.journal.Journal`): with
+        ``--resume`` a killed batch goes on mid-sample."""
         pairs = zip(job[::2], job[1::2], strict=True)
         ablations = []
-        journal = parts / f"{part_name(job)}.passes.jsonl"
-        if not args.resume:  # a journal left by an earlier run may hold other settings' passes
-            journal.unlink(missing_ok=True)
-        with faithfulness.PassJournal(journal):
+        journal = Journal(parts / part_name(job))
+        if not args.resume:  # a journal left by an earlier run may hold other settings' work
+            journal.clear()
+        with journal:
             chunk = [
                 tasks.make(
                     task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options)

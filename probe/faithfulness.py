@@ -21,14 +21,10 @@ tokens, ``Σ_t log P(x_t | x_<t)``; ``correct`` says whether every answer token 
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import functools
 import hashlib
-import json
-import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +32,7 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 
+from probe import journal
 from probe.checks import cache_keyword, check_input_ids, check_int, check_number, check_sample_fits, hf_model
 from probe.compaction import (
     check_before_answer,
@@ -45,6 +42,7 @@ from probe.compaction import (
     removed_positions,
 )
 from probe.errors import InvalidValueError
+from probe.journal import mask_bits
 from probe.target import Target, target_value
 from probe.tasks import Sample, Source
 
@@ -82,7 +80,7 @@ class Ablations(NamedTuple):
         """One row per mask, to save beside a study: ``sample`` (a digest of the sample's tokens and
         sources, :func:`sample_digest`), ``removed`` (a string of ``0``/``1``, one per source),
         ``logprob``, ``correct``."""
-        removed = [_bits(mask) for mask in self.removed]
+        removed = [mask_bits(mask) for mask in self.removed]
         logprob, correct = self.scores
         return pd.DataFrame(
             {
@@ -135,76 +133,6 @@ class Ablations(NamedTuple):
         return full - self.logprob_of(~torch.eye(n, dtype=torch.bool))
 
 
-class PassJournal:
-    """Masked passes kept in a file as they run, so that a run of hours killed mid-sample loses at most
-    the batch in flight. Within ``with PassJournal(path):`` (this thread only), :func:`answer_scores`
-    reads each mask the file holds for the same sample, target and ablation instead of running it, and
-    appends each batch it runs (one JSON line a pass, flushed to disk; a line cut short by a kill is
-    skipped). The values read back are the ones written, bit for bit.
-
-    The file holds no model: keep it where the run's settings pin the model and dtype (as
-    :func:`analyses.sweep.sweep`'s parts folder does), one file per run."""
-
-    def __init__(self, path: Path | str):
-        self.path = Path(path)
-        self._held: dict[tuple[str, str], tuple[float, bool]] = {}
-        for line in self.path.read_text().splitlines() if self.path.exists() else ():
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:  # the last line of a killed run, cut short
-                continue
-            self._held[entry["key"], entry["removed"]] = (entry["logprob"], entry["correct"])
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def __enter__(self) -> PassJournal:
-        self._token = _JOURNAL.set(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _JOURNAL.reset(self._token)
-
-    @staticmethod
-    def key(sample: Sample, target: Target | None, compact: bool) -> str:
-        """What a pass's value depends on besides its mask and the model: the sample, target, ablation."""
-        return f"{sample_digest(sample)}|{target!r}|{'compaction' if compact else 'key masking'}"
-
-    def read(self, key: str, removed: torch.Tensor) -> dict[int, tuple[float, bool]]:
-        """Row index → (log-probability, correct) of each mask of ``removed`` BoolTensor[masks, sources]
-        held under ``key``."""
-        found = {}
-        for index, mask in enumerate(removed):
-            held = self._held.get((key, _bits(mask)))
-            if held is not None:
-                found[index] = held
-        return found
-
-    def write(self, key: str, removed: torch.Tensor, scores: AnswerScores) -> None:
-        """Append the passes of ``removed`` BoolTensor[masks, sources] and their ``scores``."""
-        lines = []
-        for mask, logprob, correct in zip(
-            removed, scores.logprob.tolist(), scores.correct.tolist(), strict=True
-        ):
-            self._held[key, _bits(mask)] = (logprob, correct)
-            lines.append(
-                json.dumps({"key": key, "removed": _bits(mask), "logprob": logprob, "correct": correct})
-            )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as file:
-            file.write("".join(line + "\n" for line in lines))
-            file.flush()
-            os.fsync(file.fileno())
-
-
-_JOURNAL: contextvars.ContextVar[PassJournal | None] = contextvars.ContextVar("pass_journal", default=None)
-
-
-def _bits(mask: torch.Tensor) -> str:
-    """A mask as a string of ``0``/``1``, one per source (the form saved passes take)."""
-    return "".join("1" if bit else "0" for bit in mask.tolist())
-
-
 def sample_digest(sample: Sample) -> str:
     """A short hash of a sample's token ids, source spans and target: equal only for the same sample."""
     digest = hashlib.sha1(sample.input_ids.numpy().astype(np.int64).tobytes())
@@ -250,7 +178,7 @@ def answer_scores(
     masking, cheaper by the share removed); else the removed tokens stay in and are key-masked.
     ``batch_size`` masks run in one forward (compacted rows of unequal length are filled up with
     removed tokens, key-masked): faster on a GPU; on a CPU batch 1 is as fast. Within a
-    :class:`PassJournal` the masks it holds are read, not run, and those run are written to it.
+    :class:`probe.journal.Journal` the masks it holds are read, not run, and those run are written to it.
     """
     sources = sample.sources
     given = torch.as_tensor(removed)
@@ -282,9 +210,9 @@ def answer_scores(
     starts = [min(start, int(rows[0])) if reuse_prefix else 0 for start in starts]
     logprob = torch.empty(len(removed))
     correct = torch.empty(len(removed), dtype=torch.bool)
-    journal = _JOURNAL.get()
-    key = journal.key(sample, target, compact) if journal is not None else ""
-    held = journal.read(key, removed) if journal is not None else {}
+    journaled = journal.active()
+    key = f"{sample_digest(sample)}|{target!r}|{'compaction' if compact else 'key masking'}"
+    held = journaled.read_passes(key, removed) if journaled is not None else {}
     for index, (value, right) in held.items():
         logprob[index], correct[index] = value, right
     order = sorted((i for i in range(len(removed)) if i not in held), key=starts.__getitem__)
@@ -302,8 +230,8 @@ def answer_scores(
         logits = run(inner, ids, hidden[batch], first, past, rows)  # [batch, answer, vocab]
         logprob[batch] = torch.stack([target_value(target, one, gold) for one in logits]).cpu()
         correct[batch] = (logits.argmax(-1) == gold).all(-1).cpu()
-        if journal is not None:
-            journal.write(key, removed[batch], AnswerScores(logprob[batch], correct[batch]))
+        if journaled is not None:
+            journaled.write_passes(key, removed[batch], logprob[batch], correct[batch])
     return AnswerScores(logprob, correct)
 
 

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 import probe
 from analyses import comparison, detector_compare
 from probe import detectors, faithfulness, tasks
+from probe.detectors import registry
 from probe.errors import InvalidValueError
 
 KS = detector_compare.parse_args([]).ks  # the main job's
@@ -222,10 +223,10 @@ def killed_in_the_second_task(monkeypatch) -> None:
     monkeypatch.setattr(detector_compare, "compare_samples", killed)
 
 
-def test_a_run_killed_mid_sample_resumes_from_its_journaled_passes(tiny_model_folder, tmp_path, passes):
-    """Every masked pass is journaled as it runs: a run killed halfway through its sample goes on with
-    ``--resume``, running only the passes it lacked, and writes an unbroken run's numbers; a run without
-    ``--resume`` reads no journal."""
+def test_a_run_killed_mid_sample_resumes_from_its_journal(tiny_model_folder, tmp_path, passes, monkeypatch):
+    """Every detection and masked pass is journaled as it finishes: a run killed halfway through its
+    sample's judgement goes on with ``--resume``, running no detector again and only the passes it
+    lacked, and writes an unbroken run's numbers; a run without ``--resume`` reads no journal."""
     argv = [*run_argv(tiny_model_folder), "--tasks", "multihop-1", "--detectors", "key_removal_grad"]
     argv += ["leave_one_out", "--ceiling-masks", "8"]
     detector_compare.main([*argv, "--out", str(tmp_path / "unbroken")])
@@ -234,10 +235,14 @@ def test_a_run_killed_mid_sample_resumes_from_its_journaled_passes(tiny_model_fo
     with pytest.raises(KeyboardInterrupt):
         detector_compare.main([*argv, "--out", str(tmp_path / "killed")])
     (journal,) = (tmp_path / "killed").glob(".detector_*_parts/multihop-1__0.passes.jsonl")
+    assert len(list(journal.with_name("multihop-1__0.detections").iterdir())) == 2  # every detector ran
     assert len(journal.read_text().splitlines()) == total // 2
     passes.kill_after(None)
+    shared_passes = []
+    run_pass = registry.run_pass
+    monkeypatch.setattr(registry, "run_pass", lambda *args: shared_passes.append(1) or run_pass(*args))
     detector_compare.main([*argv, "--out", str(tmp_path / "killed"), "--resume"])
-    assert passes.calls == total - total // 2
+    assert passes.calls == total - total // 2 and not shared_passes
     tag = f"{tiny_model_folder.name}-192"
     read = {
         name: pd.read_csv(tmp_path / name / f"detector_{tag}_faithfulness.csv").drop(columns="seconds")

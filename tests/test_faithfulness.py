@@ -10,7 +10,6 @@ Llama and Gemma 3, nested modifiers, the architecture zoo, the real models at 1K
 
 import dataclasses
 import functools
-import json
 import math
 
 import numpy as np
@@ -324,37 +323,6 @@ def test_recorded_passes_saved_as_a_table_judge_other_scores_without_running_aga
     assert len(faithfulness.Ablations.from_frame(table, another).removed) == 0
     with pytest.raises(ValueError, match="record must be a list"):
         faithfulness.evaluate(model, sample, first, record=())
-
-
-def test_a_pass_journal_resumes_a_killed_run_bit_for_bit(model, sample, tmp_path, passes):
-    """Within a :class:`~probe.faithfulness.PassJournal`, a run killed after 3 of 6 passes leaves those 3
-    in the file (a line cut short by the kill is skipped); run again, only the other 3 run, the 3 come
-    back exactly as written, and all 6 equal an unjournaled run. Outside the journal, or under another
-    ablation, nothing is read."""
-    removed = faithfulness.random_masks(len(sample.sources), 6, seed=5)
-    removed[0] = False
-    plain = faithfulness.answer_scores(model, sample, removed)
-    path = tmp_path / "passes.jsonl"
-    passes.kill_after(3)
-    with pytest.raises(KeyboardInterrupt), faithfulness.PassJournal(path):
-        faithfulness.answer_scores(model, sample, removed)
-    written = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(written) == 3 and faithfulness.PassJournal(path).read(written[0]["key"], removed)
-    with path.open("a") as file:
-        file.write('{"key": "' + written[0]["key"] + '", "removed": "01')  # killed while writing
-    passes.kill_after(None)
-    with faithfulness.PassJournal(path) as journal:
-        again = faithfulness.answer_scores(model, sample, removed)
-    assert passes.calls == 3 and len(journal) == 6
-    assert (again.logprob - plain.logprob).abs().max() <= ATOL and torch.equal(again.correct, plain.correct)
-    rows = {"".join(str(int(bit)) for bit in mask.tolist()): i for i, mask in enumerate(removed)}
-    for entry in written:
-        assert again.logprob[rows[entry["removed"]]].item() == entry["logprob"]  # as written, bit for bit
-    passes.kill_after(None)
-    faithfulness.answer_scores(model, sample, removed[:2])  # no journal: every mask runs
-    with faithfulness.PassJournal(path):
-        faithfulness.answer_scores(model, sample, removed[:1], compact=False)  # key masking: not read
-    assert passes.calls == 3
 
 
 def test_nan_scores_empty_ks_and_too_few_masks_are_refused(model, sample):

@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
+from probe import journal
 from probe.attribution import AnswerAttribution
 from probe.checks import check_sample, check_sample_fits, check_tokenizer
 from probe.detectors import registry
 from probe.detectors.registry import PASS_OPTIONS, Detection, finished
 from probe.errors import InvalidTypeError, InvalidValueError
+from probe.faithfulness import sample_digest
 from probe.target import CHECKED, describe
 from probe.tasks import Sample
 
@@ -95,7 +97,9 @@ def detect_many(
     detectors run as usual.
 
     Several samples: one such dict per sample; the shared pass then runs once for all of them
-    (:mod:`probe.batch`), the other detectors sample by sample.
+    (:mod:`probe.batch`), the other detectors sample by sample. Within a :class:`probe.journal.Journal`
+    a detection it holds for the same sample, detector and options (by ``repr``) is read, not run (the
+    shared pass runs only for samples that lack one of its readers), and each one run is written to it.
     """
     single = isinstance(sample, Sample)
     if not single and not (isinstance(sample, (list, tuple)) and sample):
@@ -133,24 +137,42 @@ def detect_many(
     (target,) = chosen.values() if chosen else (None,)
     for one in samples if isinstance(target, CHECKED) else ():  # before any model work
         target.check(one.input_ids[one.target_positions])
-    attributions, start = [None] * len(samples), time.perf_counter()
-    if shared:
+    journaled = journal.active()
+    files = [
+        {
+            name: journaled.detection_file(f"{sample_digest(one)}|{name}|{options.get(name, {})!r}")
+            for name in names
+        }
+        if journaled is not None
+        else {}
+        for one in samples
+    ]
+    held = [{name: Detection.load(file) for name, file in each.items() if file.exists()} for each in files]
+    passing = [i for i, each in enumerate(held) if set(shared) - set(each)]  # samples the pass must run on
+    attributions, start = {}, time.perf_counter()
+    if passing:
         needs = registry.SharedPass(
             backward=bool(explaining), key_bias=any(how.key_bias for how, _ in shared.values())
         )
-        attributions = registry.run_pass(model, samples, layers, needs, checkpoint, target)
-    seconds = (time.perf_counter() - start) / len(samples)  # the shared pass's, a sample
+        ran = registry.run_pass(model, [samples[i] for i in passing], layers, needs, checkpoint, target)
+        attributions = dict(zip(passing, ran, strict=True))
+    seconds = (time.perf_counter() - start) / max(len(passing), 1)  # the shared pass's, a sample
     found = []
-    for one, attribution in zip(samples, attributions, strict=True):
+    for i, one in enumerate(samples):
         detections = {}
         for name in names:
+            if name in held[i]:
+                detections[name] = dataclasses.replace(held[i][name], sample=one)
+                continue
             if name in shared:
-                detection = shared[name][1](model, attribution, one, **read_options[name])
+                detection = shared[name][1](model, attributions[i], one, **read_options[name])
                 explained = target if name in explaining else None
                 detections[name] = finished(detection, name, one, seconds, explained)
             else:
                 reused = _ranking_at_hand(name, options, detections, one)
                 detections[name] = detect(name, model, tokenizer, one, **options.get(name, {}), **reused)
+            if journaled is not None:
+                detections[name].save(files[i][name])
         found.append(detections)
     return found[0] if single else found
 
