@@ -472,6 +472,8 @@ def run_study(
         ``--resume`` a killed batch goes on mid-sample."""
         pairs = zip(job[::2], job[1::2], strict=True)
         ablations = []
+        for done in parts.glob("*.pkl"):  # a finished part holds all its journal did
+            Journal(done.with_suffix("")).clear()
         journal = Journal(parts / part_name(job))
         if not args.resume:  # a journal left by an earlier run may hold other settings' work
             journal.clear()
