@@ -2,6 +2,8 @@
 
 import ast
 import copy
+import dataclasses
+import json
 import math
 import time
 from pathlib import Path
@@ -13,7 +15,8 @@ from reference import eager_forward, embedding_grad_reference, information_flow_
 from transformers import AutoTokenizer
 
 import probe
-from probe import detectors, metrics, tasks
+from probe import detectors, journal, metrics, tasks
+from probe.detectors import registry
 from probe.models import converted_folder
 from probe.tasks import Sample
 
@@ -364,3 +367,42 @@ def test_grad_times_input_is_the_derivative_of_the_answer_logprob_along_each_emb
     for position in range(0, sample.prompt_length, 3):
         derivative = (logprob(position, 1 + eps) - logprob(position, 1 - eps)) / (2 * eps)
         assert float(found.scores[position]) == pytest.approx(derivative, abs=2e-3)
+
+
+JOURNALED = ["attention", "key_removal_grad", "lexical_overlap", "leave_one_out", "recency"]
+
+
+def test_a_killed_run_of_detectors_reads_back_those_it_finished(story, tmp_path, passes, monkeypatch):
+    """Killed in ``leave_one_out`` (the fourth detector), a journaled :func:`detect_many` has written the
+    three before it; run again it reads them (no shared pass), runs the rest, and every detection equals
+    an unjournaled run's (one read back keeps the cost it had when it ran). Other options are not read."""
+    model, sample = story
+    options = {"leave_one_out": {"top_m": 3}}
+    plain = detectors.detect_many(JOURNALED, model, None, sample, options)
+    shared_passes = []
+    run_pass = registry.run_pass
+    monkeypatch.setattr(registry, "run_pass", lambda *args: shared_passes.append(1) or run_pass(*args))
+    passes.kill_after(2)
+    with pytest.raises(KeyboardInterrupt), journal.Journal(tmp_path / "job"):
+        detectors.detect_many(JOURNALED, model, None, sample, options)
+    assert len(list((tmp_path / "job.detections").iterdir())) == 3
+    passes.kill_after(None)
+    with journal.Journal(tmp_path / "job"):
+        again = detectors.detect_many(JOURNALED, model, None, sample, options)
+    assert len(shared_passes) == 1  # the killed run's only
+    assert passes.calls == 4 - 2  # leave_one_out runs 4 passes (full, top 3): the 2 journaled are read
+    for name in JOURNALED:
+        first, second = plain[name], again[name]
+        assert torch.equal(first.scores, second.scores) and torch.equal(first.flagged, second.flagged)
+        assert first.settings == second.settings and second.sample is sample
+        for key, value in first.details.items():
+            assert (
+                torch.equal(value, second.details[key])
+                if torch.is_tensor(value)
+                else value == second.details[key]
+            )
+    saved = json.loads(next((tmp_path / "job.detections").iterdir()).read_text())
+    assert saved["seconds"] in [again[name].seconds for name in JOURNALED]  # the cost it had when it ran
+    with journal.Journal(tmp_path / "job"):
+        other = detectors.detect_many(["attention"], model, None, sample, {"attention": {"top_k": 3}})
+    assert len(shared_passes) == 2 and dataclasses.asdict(other["attention"])["settings"]["top_k"] == 3

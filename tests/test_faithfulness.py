@@ -10,6 +10,7 @@ Llama and Gemma 3, nested modifiers, the architecture zoo, the real models at 1K
 
 import dataclasses
 import functools
+import json
 import math
 
 import numpy as np
@@ -22,7 +23,7 @@ from test_retrieval import copying_model
 from transformers import AutoTokenizer
 
 import probe
-from probe import compaction, detectors, faithfulness, tasks
+from probe import compaction, detectors, faithfulness, journal, tasks
 from probe.modifiers import original_positions
 from probe.retrieval import needle_answer_positions
 
@@ -323,6 +324,40 @@ def test_recorded_passes_saved_as_a_table_judge_other_scores_without_running_aga
     assert len(faithfulness.Ablations.from_frame(table, another).removed) == 0
     with pytest.raises(ValueError, match="record must be a list"):
         faithfulness.evaluate(model, sample, first, record=())
+
+
+def test_a_killed_run_of_passes_goes_on_from_the_journal_bit_for_bit(model, sample, tmp_path, passes):
+    """A run killed after 3 of 6 passes leaves those 3 in the journal (a line cut short by the kill is
+    skipped); run again, only the other 3 run, the 3 come back exactly as written, and all 6 equal an
+    unjournaled run. Outside the journal, or under another ablation, nothing is read."""
+    removed = faithfulness.random_masks(len(sample.sources), 6, seed=5)
+    removed[0] = False
+    plain = faithfulness.answer_scores(model, sample, removed)
+    kept = journal.Journal(tmp_path / "job")
+    passes.kill_after(3)
+    with pytest.raises(KeyboardInterrupt), kept:
+        faithfulness.answer_scores(model, sample, removed)
+    written = [json.loads(line) for line in kept.passes_file.read_text().splitlines()]
+    assert len(written) == 3
+    with kept.passes_file.open("a") as file:
+        file.write('{"key": "' + written[0]["key"] + '", "removed": "01')  # killed while writing
+    passes.kill_after(None)
+    with journal.Journal(tmp_path / "job"):
+        again = faithfulness.answer_scores(model, sample, removed)
+    assert passes.calls == 3
+    assert (again.logprob - plain.logprob).abs().max() <= 1e-5 and torch.equal(again.correct, plain.correct)
+    rows = {"".join(str(int(bit)) for bit in mask.tolist()): i for i, mask in enumerate(removed)}
+    for entry in written:
+        assert again.logprob[rows[entry["removed"]]].item() == entry["logprob"]  # as written, bit for bit
+    passes.kill_after(None)
+    faithfulness.answer_scores(model, sample, removed[:2])  # no journal: every mask runs
+    with journal.Journal(tmp_path / "job"):
+        faithfulness.answer_scores(model, sample, removed[:1], compact=False)  # key masking: not read
+    assert passes.calls == 3
+    kept.clear()
+    with kept:
+        faithfulness.answer_scores(model, sample, removed[:1])  # cleared: runs again
+    assert passes.calls == 4
 
 
 def test_nan_scores_empty_ks_and_too_few_masks_are_refused(model, sample):
