@@ -2,7 +2,6 @@
 
 import ast
 import copy
-import dataclasses
 import json
 import math
 import time
@@ -405,4 +404,4 @@ def test_a_killed_run_of_detectors_reads_back_those_it_finished(story, tmp_path,
     assert saved["seconds"] in [again[name].seconds for name in JOURNALED]  # the cost it had when it ran
     with journal.Journal(tmp_path / "job"):
         other = detectors.detect_many(["attention"], model, None, sample, {"attention": {"top_k": 3}})
-    assert len(shared_passes) == 2 and dataclasses.asdict(other["attention"])["settings"]["top_k"] == 3
+    assert len(shared_passes) == 2 and other["attention"].settings["top_k"] == 3
