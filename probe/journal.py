@@ -37,12 +37,16 @@ class Journal:
         self.passes_file = stem.with_name(f"{stem.name}.passes.jsonl")
         self.detections_folder = stem.with_name(f"{stem.name}.detections")
         self._passes: dict[tuple[str, str], tuple[float, bool]] = {}
-        for line in self.passes_file.read_text().splitlines() if self.passes_file.exists() else ():
+        text = self.passes_file.read_text() if self.passes_file.exists() else ""
+        for line in text.splitlines():
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:  # the last line of a killed run, cut short
                 continue
             self._passes[entry["key"], entry["removed"]] = (entry["logprob"], entry["correct"])
+        if text and not text.endswith("\n"):  # end the cut line, so the next pass starts a line of its own
+            with self.passes_file.open("a") as file:
+                file.write("\n")
 
     def clear(self) -> None:
         """Forget everything the journal holds, on disk too (a run that starts over)."""

@@ -344,7 +344,10 @@ def test_a_killed_run_of_passes_goes_on_from_the_journal_bit_for_bit(model, samp
     passes.kill_after(None)
     with journal.Journal(tmp_path / "job"):
         again = faithfulness.answer_scores(model, sample, removed)
-    assert passes.calls == 3
+    assert passes.calls == 3 and len(kept.passes_file.read_text().splitlines()) == 3 + 1 + 3
+    assert not journal.Journal(tmp_path / "job").read_passes(written[0]["key"], removed).keys() ^ set(
+        range(6)
+    )
     assert (again.logprob - plain.logprob).abs().max() <= 1e-5 and torch.equal(again.correct, plain.correct)
     rows = {"".join(str(int(bit)) for bit in mask.tolist()): i for i, mask in enumerate(removed)}
     for entry in written:
