@@ -16,7 +16,6 @@ test at this scale are listed as *not testable*, with the reason.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ import pandas as pd
 from scipy.stats import pearsonr
 
 from analyses import longppl
+from analyses.detector_compare import running_tables
 from probe import tasks
 from probe.results import atomic_write
 from probe.stats import MIN_UNITS, Estimate, bootstrap, correlation, difference
@@ -166,18 +166,10 @@ def faithfulness_studies(figures: Path) -> list[pd.DataFrame]:
         metrics = pd.read_csv(metrics) if metrics.exists() else pd.DataFrame(columns=["detector"])
         studies.append((faithful, metrics, len(faithful[["task", "seed"]].drop_duplicates()), False))
     for settings in sorted(figures.glob("**/.detector_*_parts/settings.json")):
-        parts = [pd.read_pickle(part) for part in sorted(settings.parent.glob("*.pkl"))]
-        if parts:
-            recorded = json.loads(settings.read_text())
-            about = {
-                "model": recorded["model"],
-                "length": recorded["length"],
-            }  # as the finished CSVs get them
-            faithful, metrics = (
-                pd.concat([part[name] for part in parts]).assign(**about)
-                for name in ("faithfulness", "metrics")
-            )
-            studies.append((faithful, metrics, len(recorded["tasks"]) * recorded["samples"], True))
+        recorded, found = running_tables(settings.parent, ("faithfulness", "metrics"))
+        if not found["faithfulness"].empty:
+            planned = len(recorded["tasks"]) * recorded["samples"]
+            studies.append((found["faithfulness"], found["metrics"], planned, True))
     if not studies:
         raise FileNotFoundError(
             f"no detector_*_faithfulness.csv under {figures}: run analyses.detector_compare"

@@ -580,16 +580,8 @@ def saved_passes(
     files = sorted(path.glob("detector_*_ablations.csv.gz")) if path.is_dir() else [path]
     frames = [pd.read_csv(file, dtype={"removed": str, "dtype": str}) for file in files]
     for parts in sorted(path.glob(".detector_*_parts")) if path.is_dir() else []:
-        recorded = json.loads((parts / "settings.json").read_text())
-        about = {
-            "model": recorded["model"],
-            "length": recorded["length"],
-            "dtype": recorded.get("dtype") or "",
-        }
-        for part in sorted(parts.glob("*.pkl")):
-            tables = pd.read_pickle(part)
-            if "ablations" in tables:
-                frames.append(tables["ablations"].assign(**about))
+        running = running_tables(parts, ("ablations",))[1]["ablations"]
+        frames += [running] if not running.empty else []
     columns = ["sample", "removed", "logprob", "correct", "model", "length", "dtype"]
     saved = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
     saved["dtype"] = saved.get("dtype", pd.Series(index=saved.index, dtype=str)).fillna(
@@ -609,6 +601,20 @@ def saved_passes(
             f"{path} holds passes of {held}, not of {asked}: pass that study's file or none"
         )
     return saved
+
+
+def running_tables(parts: Path, names: tuple[str, ...]) -> tuple[dict, dict[str, pd.DataFrame]]:
+    """A running study's recorded settings and, for each table of ``names``, the rows of its finished
+    parts (``parts``: its ``.detector_*_parts`` folder) with ``model``, ``length`` and ``dtype`` ("" for
+    the model's own) as its finished outputs get them; a table no part holds is empty."""
+    recorded = json.loads((parts / "settings.json").read_text())
+    about = {"model": recorded["model"], "length": recorded["length"], "dtype": recorded.get("dtype") or ""}
+    tables = [pd.read_pickle(part) for part in sorted(parts.glob("*.pkl"))]
+    found = {name: [table[name] for table in tables if name in table] for name in names}
+    return recorded, {
+        name: pd.concat(rows, ignore_index=True).assign(**about) if rows else pd.DataFrame()
+        for name, rows in found.items()
+    }
 
 
 def write_outputs(
