@@ -210,9 +210,10 @@ def answer_scores(
     starts = [min(start, int(rows[0])) if reuse_prefix else 0 for start in starts]
     logprob = torch.empty(len(removed))
     correct = torch.empty(len(removed), dtype=torch.bool)
-    journaled = journal.active()
-    key = f"{sample_digest(sample)}|{target!r}|{'compaction' if compact else 'key masking'}"
-    held = journaled.read_passes(key, removed) if journaled is not None else {}
+    journaled, key, held = journal.active(), "", {}
+    if journaled is not None:  # what a pass depends on besides its mask and the model
+        key = f"{sample_digest(sample)}|{target!r}|{'compaction' if compact else 'key masking'}"
+        held = journaled.read_passes(key, removed)
     for index, (value, right) in held.items():
         logprob[index], correct[index] = value, right
     order = sorted((i for i in range(len(removed)) if i not in held), key=starts.__getitem__)
