@@ -7,9 +7,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
+import pandas as pd
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import probe
@@ -28,7 +31,13 @@ def samples():
     return [tasks.make("document-1", tokenizer, 200, seed=seed) for seed in (0, 1)]
 
 
-def test_a_peer_round_trip_is_judged_like_our_detectors(samples, tmp_path):
+@pytest.fixture(scope="module")
+def model():
+    vocab = len(AutoTokenizer.from_pretrained(converted_folder("smollm2-135m")))
+    return probe.tiny_model("llama", vocab_size=vocab, max_position_embeddings=512)
+
+
+def test_a_peer_round_trip_is_judged_like_our_detectors(samples, model, tmp_path):
     exported = exchange.export(samples, "model-folder", tmp_path / "samples.jsonl")
     subprocess.run([sys.executable, str(PEERS / "fake_peer.py"), str(exported), str(tmp_path / "out.jsonl")],
                    check=True)  # fmt: skip
@@ -38,8 +47,6 @@ def test_a_peer_round_trip_is_judged_like_our_detectors(samples, tmp_path):
         lengths = [end - start for start, end in spans]
         assert scores[exchange.sample_key(sample)][0].tolist() == lengths
         assert exchange.key_fields(exchange.sample_key(sample)) == (sample.task, sample.length, sample.seed)
-    vocab = len(AutoTokenizer.from_pretrained(converted_folder("smollm2-135m")))
-    model = probe.tiny_model("llama", vocab_size=vocab, max_position_embeddings=512)
     table = exchange.judge(model, samples, {"fake": scores}, ceiling_masks=24, ks=(1,), n_masks=8)
     assert set(table.scorer) == {"fake", "additive_ceiling"} and len(table) == 4
     one = samples[0]
@@ -47,6 +54,31 @@ def test_a_peer_round_trip_is_judged_like_our_detectors(samples, tmp_path):
                                          ks=(1,), n_masks=8, ceiling_masks=24)  # fmt: skip
     mine = table[table["sample"] == exchange.sample_key(one)].reset_index(drop=True)
     assert mine.lds.tolist() == pytest.approx(direct.lds.tolist())
+
+
+def test_a_method_scored_after_its_sample_was_judged_is_added_to_the_part_alone(samples, model, tmp_path):
+    """``exchange.judge_part``: a second method judged into a part holds the numbers it has when both are
+    judged at once (its ``lds_share`` read off the part's own ceiling); the first method's row, the
+    ceiling's and the cost unit (timed once) stay as written; nothing new runs nothing."""
+    sample, key = samples[0], exchange.sample_key(samples[0])
+    n = len(sample.sources)
+    methods = {"first": {key: (torch.arange(n, dtype=torch.float), 2.0)},
+               "second": {key: (torch.arange(n, dtype=torch.float).flip(0) ** 2, 6.0)}}  # fmt: skip
+    options = {"ceiling_masks": 24, "ks": (1, 2), "n_masks": 8}
+    part, units = tmp_path / f"{key}.csv", iter([0.5, 99.0])
+    alone = {"first": methods["first"]}
+    first = exchange.judge_part(part, model, sample, alone, lambda: next(units), **options)
+    assert set(first.scorer) == {"first", "additive_ceiling"}
+    both = exchange.judge_part(part, model, sample, methods, lambda: next(units), **options)
+    assert both.scorer.tolist() == ["first", "additive_ceiling", "second"] and next(units) == 99.0
+    pd.testing.assert_frame_equal(both.iloc[:2], first)
+    at_once = exchange.judge(model, [sample], methods, **options).set_index("scorer")
+    second = both.set_index("scorer").loc["second"]
+    for column in ("lds", "lds_share", "comprehensiveness_k2", "sufficiency_k1", "correct_kept_k2"):
+        assert second[column] == pytest.approx(at_once.loc["second", column], abs=1e-6)
+    assert second.forwards == 6.0 / 0.5 and pd.read_csv(part).equals(both)
+    with patch.object(exchange, "judge", side_effect=AssertionError("nothing new to judge")):
+        assert exchange.judge_part(part, model, sample, methods, lambda: 1.0, **options).equals(both)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,9 @@ pass of each sample is timed to turn seconds into forward-pass equivalents. Ever
 (``time.process_time`` of the process that scores, one thread a process), not wall-clock time, so
 methods scored hours apart, beside another job or across a pause still compare. Resumable: a peer's
 scores, our scores and each judged sample are files in ``--out``, kept when the run is started again
-with the same settings (``settings.json``; other settings are refused). ``--ablations``: the
+with the same settings (``settings.json``; other settings are refused); a method scored after its
+sample was judged is judged alone and added to the sample's part (:func:`exchange.judge_part`), and the
+tables hold the methods the run names. ``--ablations``: the
 held-out study's saved passes of these samples (``figures/studies/detector_MODEL-1024_*/``): the LDS
 masks, the additive ceiling's and every top-k mask it ran are read, not run again. ``--score-only``
 stops after the scoring, so the scoring can be shared out over cores (one process a core, each its own
@@ -343,18 +345,16 @@ def main() -> None:
         print(f"{len(saved)} saved passes of {saved['sample'].nunique()} samples from {args.ablations}")
     parts = {key: out / "judged" / f"{key}.csv" for key in map(exchange.sample_key, samples)}
     for sample in reversed(samples) if args.judge_backwards else samples:
-        part = parts[exchange.sample_key(sample)]
-        if not part.exists():
-            known = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
-            frame = exchange.judge(
-                model, [sample], methods, args.ceiling_masks, n_masks=args.masks, seed=args.seed, ks=KS,
-                known=known,
-            )  # fmt: skip
-            frame["forwards"] = frame.seconds / forward_seconds(model, sample)
-            atomic_write(part, lambda tmp, frame=frame: frame.to_csv(tmp, index=False))
-    table = pd.concat([pd.read_csv(part) for part in parts.values()], ignore_index=True)
-    table = table.merge(agreement(methods, args.peers, args.ours), on=["sample", "scorer"], how="left")
+        known = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
+        unit = functools.partial(forward_seconds, model, sample)
+        exchange.judge_part(
+            parts[exchange.sample_key(sample)], model, sample, methods, unit, args.ceiling_masks,
+            n_masks=args.masks, seed=args.seed, ks=KS, known=known,
+        )  # fmt: skip
     sources = {name: source for name, (_, source) in files.items()} | {"additive_ceiling": "reference"}
+    table = pd.concat([pd.read_csv(part) for part in parts.values() if part.exists()], ignore_index=True)
+    table = table[table.scorer.isin(sources)]  # the methods this run names, though a part holds more
+    table = table.merge(agreement(methods, args.peers, args.ours), on=["sample", "scorer"], how="left")
     table["source"] = table.scorer.map(sources)
     found = summary(table)
     atomic_write(out / "peers.csv", lambda tmp: table.to_csv(tmp, index=False))

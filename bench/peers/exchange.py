@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -111,3 +111,36 @@ def judge(
         seconds = {name: found[key][1] for name, found in methods.items() if key in found}
         rows.append(frame.assign(sample=key, seconds=frame.scorer.map(seconds)))
     return pd.concat(rows, ignore_index=True)
+
+
+def judge_part(
+    part: str | Path,
+    model,
+    sample: Sample,
+    methods: Mapping[str, Mapping[str, tuple[torch.Tensor, float]]],
+    unit: Callable[[], float],
+    ceiling_masks: int = 256,
+    **evaluate,
+) -> pd.DataFrame | None:
+    """One sample's judged part (a CSV, one row a method, as :func:`judge` gives): every method of
+    ``methods`` that scored ``sample`` and the part lacks is judged and added, and the part rewritten
+    whole (atomically); ``None`` while no method has scored it. A method scored after its sample was
+    judged is judged alone, against the part's own additive ceiling (``lds_share``) and cost unit:
+    ``forward_seconds``, the CPU seconds of one forward pass, ``unit()`` timed once a part
+    (``forwards`` = ``seconds`` over it)."""
+    part = Path(part)
+    judged = pd.read_csv(part) if part.exists() else None
+    done = set() if judged is None else set(judged.scorer)
+    key = sample_key(sample)
+    new = {name: found for name, found in methods.items() if key in found and name not in done}
+    if not new:
+        return judged
+    frame = judge(model, [sample], new, ceiling_masks if judged is None else 0, **evaluate)
+    frame["forward_seconds"] = unit() if judged is None else judged.forward_seconds.iloc[0]
+    frame["forwards"] = frame.seconds / frame.forward_seconds
+    if judged is not None:
+        if "lds_share" in judged:
+            frame["lds_share"] = frame.lds / judged.lds[judged.scorer == "additive_ceiling"].iloc[0]
+        frame = pd.concat([judged, frame], ignore_index=True)
+    atomic_write(part, lambda tmp: frame.to_csv(tmp, index=False))
+    return frame
