@@ -343,16 +343,17 @@ def main() -> None:
         except InvalidValueError as error:
             parser.error(str(error))
         print(f"{len(saved)} saved passes of {saved['sample'].nunique()} samples from {args.ablations}")
-    parts = {key: out / "judged" / f"{key}.csv" for key in map(exchange.sample_key, samples)}
+    judged = dict.fromkeys(map(exchange.sample_key, samples))  # each sample's part, in the samples' order
     for sample in reversed(samples) if args.judge_backwards else samples:
+        key = exchange.sample_key(sample)
         known = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
         unit = functools.partial(forward_seconds, model, sample)
-        exchange.judge_part(
-            parts[exchange.sample_key(sample)], model, sample, methods, unit, args.ceiling_masks,
+        judged[key] = exchange.judge_part(
+            out / "judged" / f"{key}.csv", model, sample, methods, unit, args.ceiling_masks,
             n_masks=args.masks, seed=args.seed, ks=KS, known=known,
         )  # fmt: skip
     sources = {name: source for name, (_, source) in files.items()} | {"additive_ceiling": "reference"}
-    table = pd.concat([pd.read_csv(part) for part in parts.values() if part.exists()], ignore_index=True)
+    table = pd.concat([part for part in judged.values() if part is not None], ignore_index=True)
     table = table[table.scorer.isin(sources)]  # the methods this run names, though a part holds more
     table = table.merge(agreement(methods, args.peers, args.ours), on=["sample", "scorer"], how="left")
     table["source"] = table.scorer.map(sources)
