@@ -166,7 +166,10 @@ def test_gradient_detectors_match_retain_grad(story, tokenizer):
     flow = probe.detect("information_flow", model, tokenizer, sample)
     assert (flow.details["per_layer"] - information_flow_reference(model, ids, targets)).abs().max() <= ATOL
     grad = probe.detect("embedding_grad", model, tokenizer, sample, p=1)
-    assert (grad.scores - embedding_grad_reference(model, ids, targets, p=1)).abs().max() <= ATOL
+    # relative too: a token's L1 gradient norm reaches ~30, where float32's summation order alone moves
+    # the last digits (1.5e-5 on an Intel Xeon, 5.6e-7 relative)
+    expected = embedding_grad_reference(model, ids, targets, p=1)
+    torch.testing.assert_close(grad.scores, expected, rtol=1e-6, atol=ATOL)
     context = grad.scores[: sample.prompt_length]
     assert torch.equal(grad.flagged[: sample.prompt_length], context >= context.mean())  # CDT §4.1 rule
 
