@@ -90,14 +90,10 @@ def leave_one_out(
             raise InvalidValueError(
                 f"ranking must hold one score per source ({n_sources}), got shape {tuple(ranking.shape)}"
             )
-        cheap = ranking.float().cpu()
-        chosen = torch.argsort(-cheap, stable=True)[: min(top_m, n_sources)]
+        chosen = pruned_sources(ranking, top_m)
         removed = torch.cat([none, _single(chosen, n_sources)])
         ran = ablate(removed)
-        drops = ran.logprob[0] - ran.logprob[1:]
-        scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
-        effect = cheap * scale
-        effect[chosen] = drops
+        effect = pruned_estimate(ranking, chosen, ran.logprob[0] - ran.logprob[1:])
         measured = torch.zeros(n_sources, dtype=torch.bool)
         measured[chosen] = True
     elif block > 1:
@@ -134,6 +130,24 @@ def leave_one_out(
             "ablated_correct": ran.correct,
         },
     )
+
+
+def pruned_sources(ranking: torch.Tensor, top_m: int) -> torch.Tensor:
+    """LongTensor[≤ top_m]: the sources pruned leave-one-out removes one by one, the ``top_m`` that
+    ``ranking`` Tensor[sources] scores highest (ties: the earlier source first)."""
+    return torch.argsort(-ranking.float().cpu(), stable=True)[:top_m]
+
+
+def pruned_estimate(ranking: torch.Tensor, chosen: torch.Tensor, drops: torch.Tensor) -> torch.Tensor:
+    """Tensor[sources]: pruned leave-one-out's scores (AttriBoT, Liu et al. ICLR 2025): the measured
+    ``drops`` Tensor[chosen] on the ``chosen`` sources (:func:`pruned_sources`), every other source its
+    ``ranking`` score times the least-squares scale that maps the ranking onto the drops (0 when fewer
+    than two were measured)."""
+    cheap = ranking.float().cpu()
+    scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
+    effect = cheap * scale
+    effect[chosen] = drops
+    return effect
 
 
 def _single(chosen: torch.Tensor, n_sources: int) -> torch.Tensor:
