@@ -10,8 +10,12 @@ from the same saved pass); means with 95 % bootstrap intervals over samples. Rea
 only: a finished study's CSVs or a running study's finished parts
 (:func:`analyses.claims.faithfulness_studies`).
 
+Several models at once: one exhaustive and one pruned folder for each, in pairs.
+
     python bench/pruned_reference.py figures/studies/detector_smollm2-135m-4096_196423fa \
-        figures/studies/detector_smollm2-135m-4096_71b8e04d --csv bench/results/pruned_reference.csv
+        figures/studies/detector_smollm2-135m-4096_71b8e04d \
+        figures/studies/detector_qwen2.5-coder-0.5b-4096_5d3b606e \
+        figures/studies/detector_qwen2.5-coder-0.5b-4096_71b8e04d --csv bench/results/pruned_reference.csv
 """
 
 from __future__ import annotations
@@ -61,13 +65,25 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("exhaustive", type=Path, help="the exhaustive run's study folder")
-    parser.add_argument("pruned", type=Path, help="the pruned run's study folder (the same samples)")
+    parser.add_argument(
+        "studies",
+        type=Path,
+        nargs="+",
+        help="pairs of study folders: an exhaustive run's, then the pruned run's on the same samples",
+    )
     parser.add_argument("--csv", type=Path, default=None, help="write the per-sample table here")
     args = parser.parse_args(argv)
-    table = agreement(reference_rows(args.exhaustive, "exhaustive"), reference_rows(args.pruned, "pruned"))
-    if table.empty:
-        raise SystemExit("the two studies share no sample: run the pruned reference on the exhaustive run's")
+    if len(args.studies) % 2:
+        parser.error(f"give the study folders in pairs (exhaustive, pruned); got {len(args.studies)}")
+    tables = []
+    for exhaustive, pruned in zip(args.studies[::2], args.studies[1::2], strict=True):
+        table = agreement(reference_rows(exhaustive, "exhaustive"), reference_rows(pruned, "pruned"))
+        if table.empty:
+            raise SystemExit(
+                f"{exhaustive} and {pruned} share no sample: run the pruned reference on the exhaustive run's"
+            )
+        tables.append(table)
+    table = pd.concat(tables, ignore_index=True)
     measures = [column for column in table if column not in SAMPLE]
     return report_with_summary(table, intervals(table, ["model", "length"], measures), args.csv)
 
