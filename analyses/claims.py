@@ -284,12 +284,15 @@ def ranking_markdown(table: pd.DataFrame) -> str:
                 & (table.length == study.length)
                 & (table.scorer == scorer)
             ]
-            cells.append(
-                "–"
-                if row.empty
-                else f"{row.lds.iloc[0]:.2f} [{row.lds_low.iloc[0]:.2f}, "
-                f"{row.lds_high.iloc[0]:.2f}] #{row['rank'].iloc[0]}"
-            )
+            if row.empty:
+                cells.append("–")
+            elif np.isnan(row.lds_low.iloc[0]):  # too few samples for an interval, so no rank either
+                cells.append(f"{row.lds.iloc[0]:.2f} (no interval)")
+            else:
+                cells.append(
+                    f"{row.lds.iloc[0]:.2f} [{row.lds_low.iloc[0]:.2f}, "
+                    f"{row.lds_high.iloc[0]:.2f}] #{row['rank'].iloc[0]}"
+                )
         lines.append(f"| `{scorer}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -125,7 +125,8 @@ def test_detector_rows_and_the_ranking_are_per_length_and_task_set(tmp_path):
 
 def test_a_study_still_running_is_ranked_on_the_samples_its_finished_parts_hold(tmp_path):
     """A long run's finished parts (``.detector_*_parts/*.pkl``) enter the length table with the samples
-    they hold, the samples planned and its reference; its column says it is still running."""
+    they hold, the samples planned and its reference; its column says it is still running, and below 3
+    samples it gives means without interval or rank."""
     parts = tmp_path / "studies" / "long" / ".detector_m-4096_parts"
     parts.mkdir(parents=True)
     settings = {"model": "m", "length": 4096, "tasks": ["kv", "multihop-4"], "samples": 3}
@@ -143,7 +144,9 @@ def test_a_study_still_running_is_ranked_on_the_samples_its_finished_parts_hold(
     assert set(ranking.n) == {2} and set(ranking.planned) == {6} and ranking.running.all()
     assert set(ranking.loo_reference) == {"exhaustive"}
     assert ranking.set_index("scorer").lds["attention"] == pytest.approx(0.25)
-    assert "m 4K held-out (n = 2 of 6, running; exhaustive leave-one-out)" in claims.ranking_markdown(ranking)
+    table = claims.ranking_markdown(ranking)
+    assert "m 4K held-out (n = 2 of 6, running; exhaustive leave-one-out)" in table
+    assert "| `attention` | 0.25 (no interval) |" in table and "#" not in table  # 2 samples: no rank
     (claim,) = claims.evaluate(tmp_path, ["flow_vs_attention_4k_held-out"]).itertuples()
     assert claim.ours == pytest.approx(0.5) and "(m still running, 6 samples planned)" in claim.setting
 
