@@ -38,6 +38,7 @@ from harness import add_device_arguments, load, report
 from probe import faithfulness, tasks
 from probe.key_removal import key_removal_gradient
 from probe.logprobs import long_logprobs
+from probe.target import answer_logprob
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class RowGroup:
     rows: torch.Tensor
 
     def __call__(self, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
-        logprobs = logits.log_softmax(-1).gather(-1, answer[:, None].to(logits.device))[:, 0]
-        return logprobs[self.rows.to(logits.device)].sum()
+        rows = self.rows.to(logits.device)
+        return answer_logprob(logits[rows], answer.to(logits.device)[rows])
 
 
 def answer_rows(model, sample: tasks.Sample) -> torch.Tensor:
