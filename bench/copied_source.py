@@ -7,8 +7,8 @@ source"): on `kv` the answer is copied from one source (its ``supporting`` span)
 at b = 0 misses the step of a source the model copies with p → 1) predicts the same on samples nobody
 looked at. Per sample and detector: its top source (the detector's own source scores, as
 :meth:`~probe.detectors.registry.Detection.source_scores` gives them), the exact effect of removing it and
-of removing the answer's source (:func:`probe.faithfulness.answer_scores`, one pass each after a shared
-prefix), and ``hit``: its top source is the answer's. The summary counts hits per detector.
+of removing the answer's source (:func:`probe.faithfulness.leave_one_out_drops`, one pass each after a
+shared prefix), and ``hit``: its top source is the answer's. The summary counts hits per detector.
 
 Defaults: Qwen2.5-Coder-0.5B, `kv` at 4K, seeds 24000–24005 (6 samples), one thread:
 
@@ -18,7 +18,6 @@ Defaults: Qwen2.5-Coder-0.5B, `kv` at 4K, seeds 24000–24005 (6 samples), one t
 from __future__ import annotations
 
 import pandas as pd
-import torch
 from harness import new_seed_samples, report_with_summary, samples_parser
 
 from probe import faithfulness
@@ -38,10 +37,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         tops = {name: int(detection.source_scores(sample).argmax()) for name, detection in found.items()}
         answer = [i for i, source in enumerate(sample.sources) if source.category == "supporting"]
         measured = sorted(set(tops.values()) | set(answer))
-        removed = torch.zeros(len(measured) + 1, len(sample.sources), dtype=torch.bool)
-        removed[torch.arange(1, len(measured) + 1), measured] = True  # row 0: nothing removed
-        logprob = faithfulness.answer_scores(model, sample, removed).logprob
-        lost = dict(zip(measured, (logprob[0] - logprob[1:]).tolist(), strict=True))
+        drops, _ = faithfulness.leave_one_out_drops(model, sample, measured)
+        lost = dict(zip(measured, drops.tolist(), strict=True))
         for name, top in tops.items():
             rows.append({"model": args.model, "length": args.length, "task": task, "seed": seed,
                          "detector": name, "top_source": top, "top_removal": lost[top],

@@ -11,7 +11,7 @@ at p_t ≥ ``--sure`` into ``sure`` and ``unsure`` and reports, for chosen sourc
   ``key_removal_grad``) summed over the source's tokens: its first-order removal effect;
 - ``first_order_unit``: the same with the source removed as a unit (``sources=``, a query inside the source
   gets no bias on it; ``key_removal_banzhaf(presence=1)``): the slope at 0 of the ``curve_`` columns;
-- ``removal``: the exact effect of removing the source (:func:`probe.faithfulness.answer_scores`),
+- ``removal``: the exact effect of removing the source (:func:`probe.faithfulness.leave_one_out_drops`),
   log P(full) − log P(source removed);
 - ``curve_<d>`` (whole answer only): the exact effect of lowering the source's key bias by ``d`` from every
   later query outside the source (:func:`banzhaf_gap.bias_curve` at presence 1; ``d`` = 30 is about the
@@ -27,6 +27,7 @@ top one. A diagnosis, not a verdict: it explains one sample; a fix is judged on 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,18 +78,24 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     sure = full >= torch.log(torch.tensor(args.sure))
     groups = {"whole": torch.ones_like(sure), "sure": sure, "unsure": ~sure}
     print(f"{len(full)} answer rows, {int(sure.sum())} sure; log P {float(full.sum()):.2f}")
+
+    def by_group(measure: Callable[[RowGroup], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``measure`` of the sure and of the unsure rows; the whole answer's is their sum (every
+        measure here is linear in the target, a sum over rows)."""
+        parts = {name: measure(RowGroup(groups[name])) for name in ("sure", "unsure")}
+        return {"whole": parts["sure"] + parts["unsure"], **parts}
+
     spans = [(one.start, one.end) for one in sample.sources]
     first_order, first_order_unit = (
-        {
-            name: faithfulness.source_scores(
+        by_group(
+            lambda target, units=units: faithfulness.source_scores(
                 key_removal_gradient(
-                    model, sample.input_ids, sample.target_positions, target=RowGroup(rows), sources=units
+                    model, sample.input_ids, sample.target_positions, target=target, sources=units
                 ),
                 sample.sources,
                 "sum",
             )
-            for name, rows in groups.items()
-        }
+        )
         for units in (None, spans)
     )
     chosen = args.sources
@@ -96,17 +103,16 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         supporting = [i for i, one in enumerate(sample.sources) if one.category == "supporting"]
         top = int(first_order["whole"].argmax())
         chosen = list(dict.fromkeys([*supporting, top]))
-    removed = torch.zeros(len(chosen), len(sample.sources), dtype=torch.bool)
-    removed[torch.arange(len(chosen)), chosen] = True
+    removal = by_group(
+        lambda target: faithfulness.leave_one_out_drops(model, sample, chosen, target=target)[0]
+    )
     rows = []
     for name, group in groups.items():
-        kept = float(full[group].sum())
-        lost = kept - faithfulness.answer_scores(model, sample, removed, target=RowGroup(group)).logprob
         for at, source in enumerate(chosen):
             rows.append({"source": source, "category": sample.sources[source].category, "rows": name,
                          "n_rows": int(group.sum()), "first_order": float(first_order[name][source]),
                          "first_order_unit": float(first_order_unit[name][source]),
-                         "removal": float(lost[at]), "first_order_rank": int((first_order[name] >
+                         "removal": float(removal[name][at]), "first_order_rank": int((first_order[name] >
                          first_order[name][source]).sum()) + 1})  # fmt: skip
     table = pd.DataFrame(rows)
     for source in chosen:

@@ -236,6 +236,20 @@ def answer_scores(
     return AnswerScores(logprob, correct)
 
 
+def leave_one_out_drops(
+    model, sample: Sample, chosen: Sequence[int] | torch.Tensor, **how
+) -> tuple[torch.Tensor, Ablations]:
+    """Leave-one-out on the ``chosen`` sources (indices, m of them): ``lp(full) − lp(without source)``,
+    the drop of the gold answer's log-probability (or ``target``'s number) when each is removed alone,
+    Tensor[m]; and the passes that measured it (:class:`Ablations`, row 0 the full context, row 1 + i
+    without ``chosen[i]``). One :func:`answer_scores` call; ``how``: its options."""
+    n_sources = len(sample.sources)
+    single = torch.eye(n_sources, dtype=torch.bool)[torch.as_tensor(chosen, dtype=torch.long)]
+    removed = torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), single])
+    ran = answer_scores(model, sample, removed, **how)
+    return ran.logprob[0] - ran.logprob[1:], Ablations(removed, ran)
+
+
 def top_k_masks(scores: torch.Tensor, ks: Sequence[int] = KS) -> torch.Tensor:
     """BoolTensor[len(ks), sources]: the k highest-scoring sources for each k (ties by position)."""
     order = torch.argsort(-scores.float(), stable=True)

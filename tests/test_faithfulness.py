@@ -84,6 +84,18 @@ def test_leave_one_out_equals_hand_computed_differences(model, sample, compact):
     assert detection.name == "leave_one_out"
 
 
+def test_leave_one_out_drops_of_chosen_sources_equal_hand_computed_differences(model, sample):
+    chosen = [4, 0, 2]
+    drops, ran = faithfulness.leave_one_out_drops(model, sample, chosen, reuse_prefix=False)
+    full = eager_answer_logprob(model, sample, [])
+    assert not ran.removed[0].any() and float(ran.scores.logprob[0]) == pytest.approx(full, abs=ATOL)
+    assert ran.removed[1:].sum(1).tolist() == [1, 1, 1] and ran.removed[1:].nonzero()[:, 1].tolist() == chosen
+    for index, drop in zip(chosen, drops, strict=True):
+        source = sample.sources[index]
+        without = eager_answer_logprob(model, sample, range(source.start, source.end))
+        assert float(drop) == pytest.approx(full - without, abs=ATOL)
+
+
 def test_leave_one_out_finds_the_needle_a_hand_built_model_copies(tokenizer):
     sample = tasks.make("niah", tokenizer, 160, seed=0, depth=0.4)
     (needle,) = needle_answer_positions(sample)

@@ -6,7 +6,6 @@ ContextCite's sparse linear surrogate to random source subsets. Each token carri
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -16,7 +15,7 @@ from probe.checks import check_number
 from probe.detectors.registry import Detection, options, register, spread_over_tokens
 from probe.detectors.run import detect
 from probe.errors import InvalidValueError
-from probe.faithfulness import AnswerScores, answer_scores, lds, random_masks
+from probe.faithfulness import AnswerScores, answer_scores, lds, leave_one_out_drops, random_masks
 from probe.target import Target
 from probe.tasks import Sample
 
@@ -70,7 +69,6 @@ def leave_one_out(
         raise InvalidValueError(
             "ranking prunes leave-one-out to its top_m sources: give top_m too (or no ranking)"
         )
-    none = torch.zeros(1, n_sources, dtype=torch.bool)
     settings = {
         "reuse_prefix": reuse_prefix,
         "top_m": top_m,
@@ -79,9 +77,7 @@ def leave_one_out(
         "refine": refine,
         "compact": compact,
     }
-    ablate = functools.partial(
-        answer_scores, model, sample, reuse_prefix=reuse_prefix, compact=compact, target=target
-    )
+    how = {"reuse_prefix": reuse_prefix, "compact": compact, "target": target}
     if top_m is not None:
         if ranking is None:
             explained = {"target": target} if "target" in options(rank_by) else {}
@@ -91,9 +87,8 @@ def leave_one_out(
                 f"ranking must hold one score per source ({n_sources}), got shape {tuple(ranking.shape)}"
             )
         chosen = pruned_sources(ranking, top_m)
-        removed = torch.cat([none, _single(chosen, n_sources)])
-        ran = ablate(removed)
-        effect = pruned_estimate(ranking, chosen, ran.logprob[0] - ran.logprob[1:])
+        drops, (removed, ran) = leave_one_out_drops(model, sample, chosen, **how)
+        effect = pruned_estimate(ranking, chosen, drops)
         measured = torch.zeros(n_sources, dtype=torch.bool)
         measured[chosen] = True
     elif block > 1:
@@ -101,20 +96,21 @@ def leave_one_out(
         blocks = torch.zeros(len(starts), n_sources, dtype=torch.bool)
         for row, first in enumerate(starts.tolist()):
             blocks[row, first : first + block] = True
-        coarse = ablate(torch.cat([none, blocks]))
+        coarse_masks = torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), blocks])
+        coarse = answer_scores(model, sample, coarse_masks, **how)
         block_drops = coarse.logprob[0] - coarse.logprob[1:]
         refined = torch.argsort(-block_drops, stable=True)[:refine]
         chosen = blocks[refined].any(0).nonzero()[:, 0]
-        fine = ablate(_single(chosen, n_sources))
+        single = torch.eye(n_sources, dtype=torch.bool)[chosen]
+        fine = answer_scores(model, sample, single, **how)
         effect = (blocks.float() * (block_drops / blocks.sum(1))[:, None]).sum(0)
         effect[chosen] = coarse.logprob[0] - fine.logprob
         measured = blocks[refined].any(0)
-        removed = torch.cat([none, blocks, _single(chosen, n_sources)])
+        removed = torch.cat([coarse_masks, single])
         ran = AnswerScores(*(torch.cat(pair) for pair in zip(coarse, fine, strict=True)))
     else:
-        removed = torch.cat([none, _single(torch.arange(n_sources), n_sources)])
-        ran = ablate(removed)
-        effect, measured = ran.logprob[0] - ran.logprob[1:], torch.ones(n_sources, dtype=torch.bool)
+        effect, (removed, ran) = leave_one_out_drops(model, sample, range(n_sources), **how)
+        measured = torch.ones(n_sources, dtype=torch.bool)
     scores = spread_over_tokens(effect, sample)
     return Detection(
         scores=scores,
@@ -148,11 +144,6 @@ def pruned_estimate(ranking: torch.Tensor, chosen: torch.Tensor, drops: torch.Te
     effect = cheap * scale
     effect[chosen] = drops
     return effect
-
-
-def _single(chosen: torch.Tensor, n_sources: int) -> torch.Tensor:
-    """BoolTensor[len(chosen), sources]: one mask per chosen source, removing it alone."""
-    return torch.eye(n_sources, dtype=torch.bool)[chosen]
 
 
 def lasso_surrogate(
