@@ -25,6 +25,8 @@ read off the same pass; paired differences from ``both``, 95 % bootstrap interva
 
     python bench/at2_features.py --csv bench/results/at2_features.csv
 
+``--journal DIR`` keeps each masked pass as it finishes, so a run killed at a session's end goes on there.
+
 ``--at2-masks``: instead, AT2's recipe on AT2's own training masks (mask i kept each token with probability
 1/2 from ``numpy.random.RandomState(i)``, i = 0..31, as AT2's ``create_masks``) fit by :func:`pearson_fit`
 on the training samples, against AT2's trained estimator (max |Δ| and Spearman of the weights), and, with
@@ -45,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from harness import new_seed_samples, report, samples_parser
+from harness import journaled, new_seed_samples, report, samples_parser
 from scipy.stats import pearsonr, spearmanr
 from source_reduce import paired
 
@@ -180,6 +182,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args, model, tokenizer, _ = new_seed_samples(
         __doc__, argv, tasks.HELD_OUT_TASKS, range(23000, 23003), parser
     )
+    with journaled(args, "at2_features"):
+        return refit_and_judge(args, model, tokenizer)
+
+
+def refit_and_judge(args, model, tokenizer) -> pd.DataFrame:
+    """:func:`main`'s work: the training records, each variant's weights, and their LDS on the new seeds
+    (or, with ``--at2-masks``, the recipe check)."""
 
     def record(task: str, seed: int, held_out: bool) -> dict:
         return sample_record(model, tokenizer, task, args.length, seed, args.masks, held_out=held_out)

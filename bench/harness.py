@@ -11,6 +11,7 @@ compare like with like.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `probe` without an install
 
+from probe.journal import Journal  # noqa: E402
 from probe.results import atomic_write  # noqa: E402
 
 
@@ -219,8 +221,23 @@ def samples_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(12)))
     parser.add_argument("--csv", type=Path, default=None, help="also write the table here")
+    parser.add_argument(
+        "--journal", type=Path, default=None,
+        help="keep every masked pass in this folder as it finishes, so that a killed run goes on where it "
+        "stopped (a script that runs its work under journaled())",
+    )  # fmt: skip
     add_device_arguments(parser)
     return parser
+
+
+def journaled(args: argparse.Namespace, script: str) -> contextlib.AbstractContextManager:
+    """``with journaled(args, "name"):`` keeps every masked pass (:func:`probe.faithfulness.answer_scores`)
+    under ``--journal`` in a :class:`probe.journal.Journal` named by the script, model and dtype (a pass's
+    key names its sample, target and way of removal, not the model), and reads back those a killed run
+    finished; without ``--journal``, nothing."""
+    if args.journal is None:
+        return contextlib.nullcontext()
+    return Journal(args.journal / f"{script}_{Path(args.model).name}_{args.dtype or 'own-dtype'}")
 
 
 def new_seed_samples(
