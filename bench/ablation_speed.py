@@ -96,7 +96,7 @@ def bench_masks(sample):
 
     n_sources = len(sample.sources)
     top = faithfulness.top_k_masks(faithfulness.ground_truth_scores(sample), faithfulness.KS)
-    single = torch.eye(n_sources, dtype=torch.bool)[torch.linspace(0, n_sources - 1, 4).long()]
+    single = faithfulness.single_removals(torch.linspace(0, n_sources - 1, 4).long(), n_sources)
     random = ~faithfulness.random_masks(n_sources, 4, seed=0)
     return torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), random, top, ~top, single])
 

@@ -130,7 +130,7 @@ class Ablations(NamedTuple):
         full pass and single removals (exhaustive leave-one-out's scores); refused if one was not run."""
         n = self.removed.shape[1]
         full = self.logprob_of(torch.ones(1, n, dtype=torch.bool))
-        return full - self.logprob_of(~torch.eye(n, dtype=torch.bool))
+        return full - self.logprob_of(~single_removals(range(n), n))
 
 
 def sample_digest(sample: Sample) -> str:
@@ -236,18 +236,27 @@ def answer_scores(
     return AnswerScores(logprob, correct)
 
 
+def single_removals(chosen: Sequence[int] | torch.Tensor, n_sources: int) -> torch.Tensor:
+    """BoolTensor[m, n_sources] of removed sources: row i removes ``chosen[i]`` alone."""
+    return torch.eye(n_sources, dtype=torch.bool)[torch.as_tensor(chosen, dtype=torch.long)]
+
+
+def removal_drops(model, sample: Sample, removed: torch.Tensor, **how) -> tuple[torch.Tensor, Ablations]:
+    """The drop ``lp(full) − lp(without)`` of the gold answer's log-probability (or ``target``'s
+    number) when the sources of each row of ``removed`` BoolTensor[groups, sources] are removed
+    together, Tensor[groups]; and the passes that measured it (:class:`Ablations`, row 0 the full
+    context, row 1 + g without group g). One :func:`answer_scores` call; ``how``: its options."""
+    rows = torch.cat([torch.zeros(1, removed.shape[1], dtype=torch.bool), removed])
+    ran = answer_scores(model, sample, rows, **how)
+    return ran.logprob[0] - ran.logprob[1:], Ablations(rows, ran)
+
+
 def leave_one_out_drops(
     model, sample: Sample, chosen: Sequence[int] | torch.Tensor, **how
 ) -> tuple[torch.Tensor, Ablations]:
-    """Leave-one-out on the ``chosen`` sources (indices, m of them): ``lp(full) − lp(without source)``,
-    the drop of the gold answer's log-probability (or ``target``'s number) when each is removed alone,
-    Tensor[m]; and the passes that measured it (:class:`Ablations`, row 0 the full context, row 1 + i
-    without ``chosen[i]``). One :func:`answer_scores` call; ``how``: its options."""
-    n_sources = len(sample.sources)
-    single = torch.eye(n_sources, dtype=torch.bool)[torch.as_tensor(chosen, dtype=torch.long)]
-    removed = torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), single])
-    ran = answer_scores(model, sample, removed, **how)
-    return ran.logprob[0] - ran.logprob[1:], Ablations(removed, ran)
+    """Leave-one-out on the ``chosen`` sources (indices, m of them): :func:`removal_drops` of each
+    alone, Tensor[m], and its passes (row 1 + i without ``chosen[i]``)."""
+    return removal_drops(model, sample, single_removals(chosen, len(sample.sources)), **how)
 
 
 def top_k_masks(scores: torch.Tensor, ks: Sequence[int] = KS) -> torch.Tensor:

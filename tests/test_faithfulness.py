@@ -96,6 +96,19 @@ def test_leave_one_out_drops_of_chosen_sources_equal_hand_computed_differences(m
         assert float(drop) == pytest.approx(full - without, abs=ATOL)
 
 
+def test_removal_drops_of_groups_equal_hand_computed_differences(model, sample):
+    groups = [[0, 2], [1, 3, 4]]
+    removed = torch.zeros(len(groups), len(sample.sources), dtype=torch.bool)
+    for row, group in enumerate(groups):
+        removed[row, group] = True
+    drops, ran = faithfulness.removal_drops(model, sample, removed, reuse_prefix=False)
+    assert not ran.removed[0].any() and torch.equal(ran.removed[1:], removed)
+    full = eager_answer_logprob(model, sample, [])
+    for group, drop in zip(groups, drops, strict=True):
+        hidden = [p for i in group for p in range(sample.sources[i].start, sample.sources[i].end)]
+        assert float(drop) == pytest.approx(full - eager_answer_logprob(model, sample, hidden), abs=ATOL)
+
+
 def test_leave_one_out_finds_the_needle_a_hand_built_model_copies(tokenizer):
     sample = tasks.make("niah", tokenizer, 160, seed=0, depth=0.4)
     (needle,) = needle_answer_positions(sample)

@@ -15,7 +15,15 @@ from probe.checks import check_number
 from probe.detectors.registry import Detection, options, register, spread_over_tokens
 from probe.detectors.run import detect
 from probe.errors import InvalidValueError
-from probe.faithfulness import AnswerScores, answer_scores, lds, leave_one_out_drops, random_masks
+from probe.faithfulness import (
+    AnswerScores,
+    answer_scores,
+    lds,
+    leave_one_out_drops,
+    random_masks,
+    removal_drops,
+    single_removals,
+)
 from probe.target import Target
 from probe.tasks import Sample
 
@@ -96,18 +104,16 @@ def leave_one_out(
         blocks = torch.zeros(len(starts), n_sources, dtype=torch.bool)
         for row, first in enumerate(starts.tolist()):
             blocks[row, first : first + block] = True
-        coarse_masks = torch.cat([torch.zeros(1, n_sources, dtype=torch.bool), blocks])
-        coarse = answer_scores(model, sample, coarse_masks, **how)
-        block_drops = coarse.logprob[0] - coarse.logprob[1:]
+        block_drops, coarse = removal_drops(model, sample, blocks, **how)
         refined = torch.argsort(-block_drops, stable=True)[:refine]
         chosen = blocks[refined].any(0).nonzero()[:, 0]
-        single = torch.eye(n_sources, dtype=torch.bool)[chosen]
+        single = single_removals(chosen, n_sources)
         fine = answer_scores(model, sample, single, **how)
         effect = (blocks.float() * (block_drops / blocks.sum(1))[:, None]).sum(0)
-        effect[chosen] = coarse.logprob[0] - fine.logprob
+        effect[chosen] = coarse.scores.logprob[0] - fine.logprob
         measured = blocks[refined].any(0)
-        removed = torch.cat([coarse_masks, single])
-        ran = AnswerScores(*(torch.cat(pair) for pair in zip(coarse, fine, strict=True)))
+        removed = torch.cat([coarse.removed, single])
+        ran = AnswerScores(*(torch.cat(pair) for pair in zip(coarse.scores, fine, strict=True)))
     else:
         effect, (removed, ran) = leave_one_out_drops(model, sample, range(n_sources), **how)
         measured = torch.ones(n_sources, dtype=torch.bool)
