@@ -46,6 +46,7 @@ def test_a_peer_round_trip_is_judged_like_our_detectors(samples, model, tmp_path
         spans = [sample.char_spans[s.category][s.index] for s in sample.sources]
         lengths = [end - start for start, end in spans]
         assert scores[exchange.sample_key(sample)][0].tolist() == lengths
+        assert math.isfinite(scores[exchange.sample_key(sample)][1])  # timed on this machine's CPU
         assert exchange.key_fields(exchange.sample_key(sample)) == (sample.task, sample.length, sample.seed)
     table = exchange.judge(model, samples, {"fake": scores}, ceiling_masks=24, ks=(1,), n_masks=8)
     assert set(table.scorer) == {"fake", "additive_ceiling"} and len(table) == 4
@@ -58,8 +59,9 @@ def test_a_peer_round_trip_is_judged_like_our_detectors(samples, model, tmp_path
 
 def test_a_method_scored_after_its_sample_was_judged_is_added_to_the_part_alone(samples, model, tmp_path):
     """``exchange.judge_part``: a second method judged into a part holds the numbers it has when both are
-    judged at once (its ``lds_share`` read off the part's own ceiling); the first method's row, the
-    ceiling's and the cost unit (timed once) stay as written; nothing new runs nothing."""
+    judged at once (its ``lds_share`` read off the part's own ceiling); the first method's row and the
+    ceiling's stay as written; the cost unit is timed again for the second (its seconds may come from
+    another machine than the first's); nothing new runs nothing."""
     sample, key = samples[0], exchange.sample_key(samples[0])
     n = len(sample.sources)
     methods = {"first": {key: (torch.arange(n, dtype=torch.float), 2.0)},
@@ -70,13 +72,14 @@ def test_a_method_scored_after_its_sample_was_judged_is_added_to_the_part_alone(
     first = exchange.judge_part(part, model, sample, alone, lambda: next(units), **options)
     assert set(first.scorer) == {"first", "additive_ceiling"}
     both = exchange.judge_part(part, model, sample, methods, lambda: next(units), **options)
-    assert both.scorer.tolist() == ["first", "additive_ceiling", "second"] and next(units) == 99.0
+    assert both.scorer.tolist() == ["first", "additive_ceiling", "second"]
     pd.testing.assert_frame_equal(both.iloc[:2], first)
     at_once = exchange.judge(model, [sample], methods, **options).set_index("scorer")
     second = both.set_index("scorer").loc["second"]
     for column in ("lds", "lds_share", "comprehensiveness_k2", "sufficiency_k1", "correct_kept_k2"):
         assert second[column] == pytest.approx(at_once.loc["second", column], abs=1e-6)
-    assert second.forwards == 6.0 / 0.5 and pd.read_csv(part).equals(both)
+    assert second.forwards == 6.0 / 99.0 and both.forward_seconds.tolist() == [0.5, 0.5, 99.0]
+    assert pd.read_csv(part).equals(both)
     with patch.object(exchange, "judge", side_effect=AssertionError("nothing new to judge")):
         assert exchange.judge_part(part, model, sample, methods, lambda: 1.0, **options).equals(both)
 
@@ -100,11 +103,23 @@ def test_a_sample_the_peer_failed_on_is_a_recorded_failure_not_a_score(samples, 
     n = len(samples[1].sources)
     (tmp_path / "out.jsonl").write_text(
         f'{{"key": "{first}", "error": "OutOfMemoryError: at 1024 tokens"}}\n'
-        f'{{"key": "{second}", "scores": {[1.0] * n}, "seconds": 2.5}}\n'
+        f'{{"key": "{second}", "scores": {[1.0] * n}, "seconds": 2.5, "cpu": "here"}}\n'
     )
     assert exchange.failures(tmp_path / "out.jsonl") == {first: "OutOfMemoryError: at 1024 tokens"}
-    scores = exchange.read_scores(tmp_path / "out.jsonl", samples)
+    scores = exchange.read_scores(tmp_path / "out.jsonl", samples, cpu="here")
     assert list(scores) == [second] and scores[second][1] == 2.5
+
+
+@pytest.mark.parametrize("line", ['"cpu": "another"', '"cpu": null', '"by": "no cpu named"'])
+def test_seconds_measured_on_another_cpu_read_as_unknown(samples, tmp_path, line):
+    """CPU seconds set against a forward pass timed here are a cost only when both ran on one kind of
+    CPU: the seconds of a line from another (or none named) read as NaN, its scores as they are."""
+    key, n = exchange.sample_key(samples[0]), len(samples[0].sources)
+    (tmp_path / "out.jsonl").write_text(
+        f'{{"key": "{key}", "scores": {[1.0] * n}, "seconds": 2.5, {line}}}\n'
+    )
+    scores, seconds = exchange.read_scores(tmp_path / "out.jsonl", samples[:1], cpu="here")[key]
+    assert math.isnan(seconds) and scores.tolist() == [1.0] * n
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
@@ -188,6 +203,7 @@ def test_a_killed_run_resumes_where_it_stopped_and_writes_its_answers_once(tmp_p
     partial.write_text(partial.read_text() + '{"key": "c", "sco')  # a line cut off by the kill
     peer_io.resumable(out, [job("a"), job("b"), job("c")])
     assert ran == ["a", "b", "c"] and not partial.exists()
+    assert {json.loads(line)["cpu"] for line in out.read_text().splitlines()} == {peer_io.cpu()}
     assert [json.loads(line)["key"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
 
 

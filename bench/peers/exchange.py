@@ -7,11 +7,11 @@ teacher-forced continuation, its leading space included), the character range of
 ``text`` (``sources``: ``[[start, end], ...]``, in order), the ``model`` folder, and the token ids the
 model reads (``input_ids``, special tokens such as a BOS included; ``prompt_tokens`` of them are the
 prompt's), so a peer that takes ids needs no tokenizer guesswork. A peer's runner writes one JSON line
-per sample back: the ``key``, ``scores`` (one number per source, in order) and the ``seconds`` it spent
-(CPU seconds of its process, ``time.process_time``), or the ``error`` that stopped it on that sample (a
-failure is a result: :func:`failures` reads them). :func:`read_scores` checks the scores; :func:`judge`
-judges every method with the same exact ablation as longprobe's own detectors
-(:func:`probe.faithfulness.evaluate`, with the additive ceiling).
+per sample back: the ``key``, ``scores`` (one number per source, in order), the ``seconds`` it spent
+(CPU seconds of its process, ``time.process_time``) and the ``cpu`` they were measured on, or the
+``error`` that stopped it on that sample (a failure is a result: :func:`failures` reads them).
+:func:`read_scores` checks the scores; :func:`judge` judges every method with the same exact ablation
+as longprobe's own detectors (:func:`probe.faithfulness.evaluate`, with the additive ceiling).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
+import peer_io
 import torch
 
 from probe import faithfulness
@@ -67,9 +68,14 @@ def failures(path: str | Path) -> dict[str, str]:
     return {record["key"]: record["error"] for record in records if "error" in record}
 
 
-def read_scores(path: str | Path, samples: Sequence[Sample]) -> dict[str, tuple[torch.Tensor, float]]:
+def read_scores(
+    path: str | Path, samples: Sequence[Sample], cpu: str | None = None
+) -> dict[str, tuple[torch.Tensor, float]]:
     """A peer's scores: sample key -> (Tensor[sources], seconds), checked against ``samples``; every
-    sample must be scored or have failed (:func:`failures`)."""
+    sample must be scored or have failed (:func:`failures`). The seconds of a line measured on another
+    CPU than ``cpu`` (default: this machine's, :func:`peer_io.cpu`), or on one it does not name, read
+    as NaN: they cannot be set against a forward pass timed here."""
+    cpu = cpu or peer_io.cpu()
     wanted = {sample_key(sample): len(sample.sources) for sample in samples}
     found, failed = {}, failures(path)
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -86,7 +92,8 @@ def read_scores(path: str | Path, samples: Sequence[Sample]) -> dict[str, tuple[
             )
         if not all(isinstance(x, int | float) and math.isfinite(x) for x in scores):
             raise InvalidValueError(f"{path}:{number}: {key} has scores that are not finite numbers")
-        found[key] = (torch.tensor(scores, dtype=torch.float32), float(record.get("seconds", math.nan)))
+        seconds = float(record.get("seconds", math.nan)) if record.get("cpu") == cpu else math.nan
+        found[key] = (torch.tensor(scores, dtype=torch.float32), seconds)
     missing = sorted(set(wanted) - set(found) - set(failed))
     if missing:
         raise InvalidValueError(f"{path}: no scores for {missing}")
@@ -125,9 +132,10 @@ def judge_part(
     """One sample's judged part (a CSV, one row a method, as :func:`judge` gives): every method of
     ``methods`` that scored ``sample`` and the part lacks is judged and added, and the part rewritten
     whole (atomically); ``None`` while no method has scored it. A method scored after its sample was
-    judged is judged alone, against the part's own additive ceiling (``lds_share``) and cost unit:
-    ``forward_seconds``, the CPU seconds of one forward pass, ``unit()`` timed once a part
-    (``forwards`` = ``seconds`` over it)."""
+    judged is judged alone, against the part's own additive ceiling (``lds_share``). The cost unit,
+    ``forward_seconds`` (the CPU seconds of one forward pass, ``unit()``), is timed in each call that
+    judges something, on the machine whose seconds :func:`read_scores` kept (``forwards`` =
+    ``seconds`` over it), so a part judged on two machines holds two units."""
     part = Path(part)
     judged = pd.read_csv(part) if part.exists() else None
     done = set() if judged is None else set(judged.scorer)
@@ -136,7 +144,7 @@ def judge_part(
     if not new:
         return judged
     frame = judge(model, [sample], new, ceiling_masks if judged is None else 0, **evaluate)
-    frame["forward_seconds"] = unit() if judged is None else judged.forward_seconds.iloc[0]
+    frame["forward_seconds"] = unit()
     frame["forwards"] = frame.seconds / frame.forward_seconds
     if judged is not None:
         if "lds_share" in judged:

@@ -7,7 +7,8 @@ writes one line a sample: ``{"key", "scores": [one number a source], "seconds"}`
 cannot score gets ``{"key", "error": "..."}`` instead, so the table can say why. ``seconds`` are CPU
 seconds of the runner's process (``time.process_time``, every thread of it), not wall-clock time: a run
 that spans sessions, shares the machine with another job or is paused still measures what the method
-itself costs, so methods scored at different times compare.
+itself costs, so methods scored at different times compare. Each line also names the ``cpu`` it was
+measured on (:func:`cpu`): CPU seconds compare only on one kind of CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import functools
 import json
 import os
+import platform
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -73,11 +75,20 @@ def run(args: argparse.Namespace, score: Callable[[dict], list[float]]) -> None:
     resumable(args.out, jobs)
 
 
+def cpu() -> str:
+    """This machine's CPU, as ``/proc/cpuinfo`` names it (else :func:`platform.processor`)."""
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def resumable(out: Path, jobs: Iterable[tuple[str, Callable[[], dict]]]) -> None:
-    """Write ``out``, one JSON line a job (``key``, a function that makes the line), resumably: each
-    finished line is appended to ``out.partial`` at once, a restart skips the keys found there (a line
-    cut off by a kill is dropped and its job runs again), and ``out`` appears by one rename once every
-    job has its line."""
+    """Write ``out``, one JSON line a job (``key``, a function that makes the line, to which the
+    :func:`cpu` it ran on is added), resumably: each finished line is appended to ``out.partial`` at
+    once, a restart skips the keys found there (a line cut off by a kill is dropped and its job runs
+    again), and ``out`` appears by one rename once every job has its line."""
     partial = out.with_name(out.name + ".partial")
     done = []
     for line in partial.read_text().splitlines() if partial.exists() else []:
@@ -91,7 +102,7 @@ def resumable(out: Path, jobs: Iterable[tuple[str, Callable[[], dict]]]) -> None
         for key, make in jobs:
             if key in finished:
                 continue
-            record = make()
+            record = make() | {"cpu": cpu()}
             file.write(json.dumps(record) + "\n")
             file.flush()
             print(key, record.get("seconds", record.get("error")), flush=True)
