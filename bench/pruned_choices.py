@@ -7,8 +7,12 @@ The held-out study's pruned reference (``--loo-top-m 8``) removes one by one the
 sample of an exhaustive study (every single removal saved), the pruned reference each ranking detector
 and each ``top_m`` would give — from the saved single removals and one shared pass a sample for the
 rankings, no masked pass runs — and judges it by LDS on the study's own LDS masks, beside exhaustive
-leave-one-out's, with ``same_top_k{k}``: whether its top k sources are exhaustive's. The one the study
-ran (``key_removal_grad``, 8) is checked equal to the pruned study's own row (``--pruned``).
+leave-one-out's, with ``same_top_k{k}``: whether its top k sources are exhaustive's, and
+``lds_minus_studied``: its LDS less the studied reference's on the same sample. The one the study ran
+(``key_removal_grad``, 8) is checked equal to the pruned study's own row (``--pruned``). A ranking
+``A+B`` removes one by one the ``top_m`` sources of each of A and B (their union, at most 2 ``top_m``)
+and scores the rest by A's ranking, scaled: the remedy proposed for a copied answer's source that
+``key_removal_grad`` ranks low (RESULTS.md), with ``attn_lrp`` as B.
 
 It answers a question of the reference, not of a detector: the samples it reads are those the reference
 is measured on at 4K, not those a longer run judges.
@@ -33,8 +37,14 @@ from probe import faithfulness, tasks
 from probe.detectors import detect_many
 from probe.detectors.ablation import pruned_estimate, pruned_sources
 
-RANK_BY = ("key_removal_grad", "key_removal_banzhaf", "attn_lrp", "embedding_grad")
-TOP_M = (8, 16, 32)
+RANK_BY = (
+    "key_removal_grad",
+    "key_removal_banzhaf",
+    "attn_lrp",
+    "embedding_grad",
+    "key_removal_grad+attn_lrp",
+)
+TOP_M = (4, 8, 16, 32)
 KS = (1, 2, 4, 8)
 STUDIED = ("key_removal_grad", 8)  # the pruned reference the held-out protocol runs
 
@@ -43,6 +53,14 @@ def same_top_k(scores: torch.Tensor, exhaustive: torch.Tensor, k: int) -> float:
     """1.0 when ``scores`` and ``exhaustive`` (Tensor[sources]) put the same k sources on top."""
     top = [set(torch.argsort(-s, stable=True)[:k].tolist()) for s in (scores, exhaustive)]
     return float(top[0] == top[1])
+
+
+def union_sources(found: dict, sample, rank_by: str, top_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ranking Tensor[sources], chosen LongTensor[≤ top_m a detector]) of the ranking ``rank_by``: one
+    detector's name, or ``A+B``: the ``top_m`` of each, A's ranking scores the rest."""
+    rankings = [found[name].source_scores(sample) for name in rank_by.split("+")]
+    chosen = torch.cat([pruned_sources(ranking, top_m) for ranking in rankings]).unique()
+    return rankings[0], chosen
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -61,7 +79,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         (judged,) = faithfulness_studies(study)
         model_name, length = judged.model.iloc[0], int(judged.length.iloc[0])
         model, tokenizer = probe.load_model(model_name)
-        options = detector_options(args.rank_by, length, args.mask_seed)
+        detectors = sorted({name for rank_by in args.rank_by for name in rank_by.split("+")})
+        options = detector_options(detectors, length, args.mask_seed)
         saved = saved_passes(study, model_name, length)
         by_sample = list(saved.groupby(["task", "seed"]))
         for (task, seed), passes in tqdm(by_sample, desc=f"{model_name} {length}"):
@@ -70,12 +89,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             drops = known.leave_one_out()
             kept, _ = study_masks(len(sample.sources), args.masks, args.ceiling_masks, args.mask_seed)
             actual = known.logprob_of(kept)
-            found = detect_many(args.rank_by, model, tokenizer, sample, options)
+            found = detect_many(detectors, model, tokenizer, sample, options)
             about = {"model": model_name, "length": length, "task": task, "seed": seed}
             exhaustive_lds = faithfulness.lds(drops, kept, actual)
             for rank_by, top_m in [(r, m) for r in args.rank_by for m in args.top_m]:
-                ranking = found[rank_by].source_scores(sample)
-                chosen = pruned_sources(ranking, top_m)
+                ranking, chosen = union_sources(found, sample, rank_by, top_m)
                 scores = pruned_estimate(ranking, chosen, drops[chosen])
                 lds = faithfulness.lds(scores, kept, actual)
                 own = studied.get((task, seed)) if (rank_by, top_m) == STUDIED else None
@@ -87,7 +105,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                      **{f"same_top_k{k}": same_top_k(scores, drops, k) for k in KS}}
                 )  # fmt: skip
     table = pd.DataFrame(rows)
-    measures = ["lds_pruned", "lds_difference", *(f"same_top_k{k}" for k in KS)]
+    sample = ["model", "length", "task", "seed"]
+    studied_rows = table[(table.rank_by == STUDIED[0]) & (table.top_m == STUDIED[1])]
+    table = table.merge(
+        studied_rows[[*sample, "lds_pruned"]], on=sample, how="left", suffixes=("", "_studied")
+    )
+    table["lds_minus_studied"] = table.lds_pruned - table.pop("lds_pruned_studied")
+    measures = ["lds_pruned", "lds_difference", "lds_minus_studied", *(f"same_top_k{k}" for k in KS)]
     return report_with_summary(
         table, intervals(table, ["model", "length", "rank_by", "top_m"], measures), args.csv
     )
