@@ -11,11 +11,11 @@ sample (LDS on the same masks, comprehensiveness, sufficiency, the additive ceil
 pass of each sample is timed to turn seconds into forward-pass equivalents. Every cost is CPU seconds
 (``time.process_time`` of the process that scores, one thread a process), not wall-clock time, so
 methods scored hours apart, beside another job or across a pause still compare; seconds scored on
-another kind of CPU than the judging machine's are no cost (NaN, :func:`exchange.read_scores`). Resumable: a peer's
-scores, our scores and each judged sample are files in ``--out``, kept when the run is started again
-with the same settings (``settings.json``; other settings are refused); a method scored after its
-sample was judged is judged alone and added to the sample's part (:func:`exchange.judge_part`), and the
-tables hold the methods the run names. ``--ablations``: the
+another kind of CPU than the judging machine's are no cost (NaN, :func:`exchange.read_scores`).
+Resumable: a peer's scores, our scores and each judged sample are files in ``--out``, kept when the run
+is started again with the same settings (``settings.json``; other settings are refused); a method scored
+after its sample was judged is judged alone and added to the sample's part (:func:`exchange.judge_part`),
+and the tables hold the methods the run names. ``--ablations``: the
 held-out study's saved passes of these samples (``figures/studies/detector_MODEL-1024_*/``): the LDS
 masks, the additive ceiling's and every top-k mask it ran are read, not run again. ``--score-only``
 stops after the scoring, so the scoring can be shared out over cores (one process a core, each its own
