@@ -256,6 +256,8 @@ def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detect
     counted = compare.summary(constant).set_index("method")  # a constant score has no LDS on s0
     assert counted.loc["peer", "samples"] == 3 and counted.loc["peer", "lds"] == pytest.approx(2.0 / 3)
     assert counted.loc["peer", "lds_minus_best"] == pytest.approx(-0.2 / 3)
+    no_ceiling = compare.summary(table.drop(columns="lds_share")).set_index("method")  # --ceiling-masks 0
+    assert no_ceiling.lds_share.isna().all() and no_ceiling.lds.equals(found.lds)
     assert compare.results_markdown(tmp_path) == "(no comparison has finished yet)"
     (tmp_path / "m-1024").mkdir()
     compare.summary(table.assign(source="peer")).to_csv(tmp_path / "m-1024" / "summary.csv", index=False)

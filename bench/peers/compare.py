@@ -165,7 +165,8 @@ def summary(table: pd.DataFrame, best: str = BEST) -> pd.DataFrame:
     """Per method: mean LDS and AOPC of comprehensiveness with intervals over samples, its cost, and the
     paired differences of both from ``best``'s on the samples both scored (``lds_minus_best``: what
     "within the interval of our best one-pass detector" is decided on; ``aopc_minus_best``: AOPC compared
-    on the same samples, which their raw means are not where a method scored fewer)."""
+    on the same samples, which their raw means are not where a method scored fewer). ``lds_share`` is NaN
+    for a run judged without the additive ceiling (``--ceiling-masks 0``)."""
     by_sample = {
         column: table.pivot_table(index="sample", columns="scorer", values=column)
         for column in ("lds", "aopc_comprehensiveness")
@@ -191,7 +192,8 @@ def summary(table: pd.DataFrame, best: str = BEST) -> pd.DataFrame:
                      "lds_minus_best_low": gap.low, "lds_minus_best_high": gap.high,
                      "aopc_minus_best": comp_gap.value, "aopc_minus_best_low": comp_gap.low,
                      "aopc_minus_best_high": comp_gap.high,
-                     "lds_share": group.lds_share.mean(), "seconds": group.seconds.mean(),
+                     "lds_share": group.lds_share.mean() if "lds_share" in group else math.nan,
+                     "seconds": group.seconds.mean(),
                      "forwards": group.forwards.mean(),
                      "spearman_vs_ours": group.spearman_vs_ours.mean()})  # fmt: skip
     return pd.DataFrame(rows).sort_values("lds", ascending=False)
