@@ -105,10 +105,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                      **{f"same_top_k{k}": same_top_k(scores, drops, k) for k in KS}}
                 )  # fmt: skip
     table = pd.DataFrame(rows)
-    sample = ["model", "length", "task", "seed"]
+    per_sample = ["model", "length", "task", "seed"]
     studied_rows = table[(table.rank_by == STUDIED[0]) & (table.top_m == STUDIED[1])]
     table = table.merge(
-        studied_rows[[*sample, "lds_pruned"]], on=sample, how="left", suffixes=("", "_studied")
+        studied_rows[[*per_sample, "lds_pruned"]], on=per_sample, how="left", suffixes=("", "_studied")
     )
     table["lds_minus_studied"] = table.lds_pruned - table.pop("lds_pruned_studied")
     measures = ["lds_pruned", "lds_difference", "lds_minus_studied", *(f"same_top_k{k}" for k in KS)]
