@@ -210,12 +210,18 @@ def refit_and_judge(args, model, tokenizer) -> pd.DataFrame:
     for name, (index, sources, how) in VARIANTS.items():
         found = [r["features"][:, index] for r in train[sources]], [r["kept"] for r in train[sources]]
         logprob = [r["logprob"] for r in train[sources]]
-        weights[name] = index, at2.fit(*found, logprob)[0] if how == "ridge" else pearson_fit(*found, logprob)
+        if how == "ridge":
+            theta, alpha, _ = at2.fit(*found, logprob)
+            print(f"at2 ({name}): ridge penalty {alpha:g}", flush=True)
+        else:
+            theta = pearson_fit(*found, logprob)
+        weights[name] = index, theta
     bundled = at2.HeadWeights.bundled(model)
     if bundled is not None:  # the refit `both` is the bundled `at2` where these are its training settings
+        apart, largest = (weights["both"][1] - bundled.weights).abs().max(), bundled.weights.abs().max()
         print(
-            "refit `both` − bundled at2 weights, max |Δ|:",
-            float((weights["both"][1] - bundled.weights).abs().max()),
+            f"refit `both` − bundled at2 weights (penalty {bundled.settings['alpha']:g}): max |Δ| "
+            f"{float(apart):.3g}, {float(apart / largest):.2g} of the largest bundled weight"
         )
     own = at2_estimator(args.model)
     if own is not None:
