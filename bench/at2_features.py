@@ -31,12 +31,14 @@ read off the same pass; paired differences from ``both``, 95 % bootstrap interva
 1/2 from ``numpy.random.RandomState(i)``, i = 0..31, as AT2's ``create_masks``) fit by :func:`pearson_fit`
 on the training samples, against AT2's trained estimator (max |Δ| and Spearman of the weights), and, with
 ``--at2-training DIR`` (AT2's ``train/MODEL-20-32/features_and_outputs``), :func:`pearson_weights` on
-AT2's own stored rows against its estimator (is the optimiser the same?) and AT2's stored training rows
-of the first training sample — ``(2·kept − 1) @ features`` per mask and head, and the logit-probability
-of the answer — against ours on the same masks, per layer:
+AT2's own stored rows against its estimator (is the optimiser the same? :func:`optimiser_check`) and AT2's
+stored training rows of the first training sample — ``(2·kept − 1) @ features`` per mask and head, and the
+logit-probability of the answer — against ours on the same masks, per layer:
 
     python bench/at2_features.py --at2-masks --model gemma3-270m \
         --at2-training .venv-peers/at2/train/gemma3-270m-20-32/features_and_outputs
+
+``--at2-training DIR`` alone: :func:`optimiser_check` only (no masked pass).
 """
 
 from __future__ import annotations
@@ -85,12 +87,15 @@ def token_sample(sample: tasks.Sample) -> tasks.Sample:
     )
 
 
-def pearson_weights(x: torch.Tensor, y: torch.Tensor, steps: int = 1000) -> torch.Tensor:
+def pearson_weights(
+    x: torch.Tensor, y: torch.Tensor, steps: int = 1000, order: np.random.RandomState | None = None
+) -> torch.Tensor:
     """Weights Tensor[F] by AT2's recipe (``bench/peers/at2/NOTES.md``, "Training"; Cohen-Wang et al.
     2025) from regression rows ``x`` [samples, masks, F] and targets ``y`` [samples, masks]: every weight
     starts at 1 / F, Adam (lr 10⁻³, cosine schedule over ``steps``, gradient norm clipped at 1) minimises
     the negative Pearson correlation of ``x · θ`` with ``y`` over each sample's masks, averaged over
-    samples; θ is then L1-normalised."""
+    samples; θ is then L1-normalised. ``order``: each step takes the samples in an order drawn from it,
+    as AT2's trainer draws its batch (the same loss, summed in another order); default, as given."""
     theta = torch.full((x.shape[-1],), 1 / x.shape[-1], requires_grad=True)
     optimizer = torch.optim.Adam([theta], lr=1e-3)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
@@ -99,8 +104,10 @@ def pearson_weights(x: torch.Tensor, y: torch.Tensor, steps: int = 1000) -> torc
         return values - values.mean(-1, keepdim=True)
 
     for _ in range(steps):
+        taken = slice(None) if order is None else order.permutation(len(x))
         optimizer.zero_grad()
-        loss = -torch.nn.functional.cosine_similarity(centred(x @ theta), centred(y), dim=-1).mean()
+        prediction, target = centred(x[taken] @ theta), centred(y[taken])
+        loss = -torch.nn.functional.cosine_similarity(prediction, target, dim=-1).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_([theta], 1.0)
         optimizer.step()
@@ -148,11 +155,8 @@ def recipe_check(train: list[dict], own: torch.Tensor, stored: Path | None) -> p
           f"Spearman {spearmanr(refit, own)[0]:.4f}")  # fmt: skip
     if stored is None:
         return pd.DataFrame()
-    rows, outputs = (
-        np.load(stored / f"{name}_0_of_1.npy").astype(np.float32) for name in ("features", "outputs")
-    )
-    again = pearson_weights(torch.from_numpy(rows), torch.from_numpy(outputs)) - own
-    print(f"pearson_weights on AT2's stored rows − AT2's estimator: max |Δ| {float(again.abs().max()):.2e}")
+    print(optimiser_check(stored, own).to_string(index=False))
+    rows, outputs = stored_rows(stored)
 
     def compared(rows: str, ours: np.ndarray, theirs: np.ndarray) -> dict:
         return {"rows": rows, "max_abs_diff": np.abs(ours - theirs).max(), "largest": np.abs(theirs).max(),
@@ -169,6 +173,32 @@ def recipe_check(train: list[dict], own: torch.Tensor, stored: Path | None) -> p
     table = [compared(f"layer {layer}", ours[:, layer], theirs[:, layer]) for layer in range(layers)]
     table.append(compared("answer: log-prob. vs AT2's logit-prob.", first["logprob"].numpy(), outputs[0]))
     return pd.DataFrame(table)
+
+
+def stored_rows(stored: Path) -> tuple[np.ndarray, np.ndarray]:
+    """AT2's stored training rows [samples, masks, F] and answer scores [samples, masks] (float32) from its
+    ``features_and_outputs`` folder ``stored``."""
+    return tuple(
+        np.load(stored / f"{name}_0_of_1.npy").astype(np.float32) for name in ("features", "outputs")
+    )
+
+
+def optimiser_check(stored: Path, own: torch.Tensor) -> pd.DataFrame:
+    """:func:`pearson_weights` on AT2's stored training rows (``stored``, :func:`stored_rows`) against AT2's
+    estimator ``own`` [F], one row per fit: the samples in their stored order, and in 5 random orders a
+    step (AT2's trainer draws its batch in a new order each step, so how far these land from each other is
+    how far its own result moves with the order of a float sum)."""
+    x, y = (torch.from_numpy(values) for values in stored_rows(stored))
+    fits = {"stored order": pearson_weights(x, y)}
+    fits |= {
+        f"random order {seed}": pearson_weights(x, y, order=np.random.RandomState(seed))
+        for seed in range(1, 6)
+    }
+    return pd.DataFrame(
+        {"fit": name, "max_abs_diff": float((theta - own).abs().max()), "largest": float(own.abs().max()),
+         "spearman": spearmanr(theta, own)[0]}
+        for name, theta in fits.items()
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -199,6 +229,8 @@ def refit_and_judge(args, model, tokenizer) -> pd.DataFrame:
         return ablation_record(model, sample, attribution, masks(len(sample.sources), args.masks))
 
     seeds = [(task, TRAIN_SEED + i) for task in TRAIN_TASKS for i in range(args.train_samples)]
+    if args.at2_training is not None and not args.at2_masks:
+        return report(optimiser_check(args.at2_training, at2_estimator(args.model)), args.csv)
     if args.at2_masks:
         train = [token_record(task, seed, at2_masks) for task, seed in seeds]
         return report(recipe_check(train, at2_estimator(args.model), args.at2_training), args.csv)
