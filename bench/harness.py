@@ -205,10 +205,13 @@ def saved_passes_parser(doc: str) -> argparse.ArgumentParser:
 def study_masks(n_sources: int, n_masks: int, ceiling_masks: int, seed: int) -> tuple:
     """The masks a held-out study judged a sample of ``n_sources`` sources on, each BoolTensor[masks,
     sources] (True = kept): its ``n_masks`` LDS masks and the ``ceiling_masks`` it fit the additive
-    ceiling on, drawn as :func:`probe.faithfulness.evaluate` draws them from the study's ``seed``."""
+    ceiling on (none for a study run with ``--ceiling-masks 0``), drawn as
+    :func:`probe.faithfulness.evaluate` draws them from the study's ``seed``."""
     from probe import faithfulness
 
     kept_lds = faithfulness.random_masks(n_sources, n_masks, 0.5, seed)
+    if not ceiling_masks:
+        return kept_lds, kept_lds[:0]
     return kept_lds, faithfulness.additive_ceiling_masks(kept_lds, ceiling_masks, seed=seed)
 
 
