@@ -111,10 +111,19 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         studied_rows[[*per_sample, "lds_pruned"]], on=per_sample, how="left", suffixes=("", "_studied")
     )
     table["lds_minus_studied"] = table.lds_pruned - table.pop("lds_pruned_studied")
+    return report_with_summary(table, summarise(table), args.csv)
+
+
+def summarise(table: pd.DataFrame) -> pd.DataFrame:
+    """Each ranking's means with 95 % bootstrap intervals over samples from :func:`main`'s per-sample
+    ``table``: one group a study (model, length), ranking and ``top_m``, and, where the table holds
+    several studies, each ranking and ``top_m`` over all of their samples (``model`` "all")."""
     measures = ["lds_pruned", "lds_difference", "lds_minus_studied", *(f"same_top_k{k}" for k in KS)]
-    return report_with_summary(
-        table, intervals(table, ["model", "length", "rank_by", "top_m"], measures), args.csv
-    )
+    summary = intervals(table, ["model", "length", "rank_by", "top_m"], measures)
+    if len(table.groupby(["model", "length"])) > 1:
+        pooled = intervals(table, ["rank_by", "top_m"], measures).assign(model="all")
+        summary = pd.concat([summary, pooled], ignore_index=True)
+    return summary
 
 
 if __name__ == "__main__":
