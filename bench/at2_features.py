@@ -155,8 +155,8 @@ def recipe_check(train: list[dict], own: torch.Tensor, stored: Path | None) -> p
           f"Spearman {spearmanr(refit, own)[0]:.4f}")  # fmt: skip
     if stored is None:
         return pd.DataFrame()
-    print(optimiser_check(stored, own).to_string(index=False))
     rows, outputs = stored_rows(stored)
+    print(optimiser_check(rows, outputs, own).to_string(index=False))
 
     def compared(rows: str, ours: np.ndarray, theirs: np.ndarray) -> dict:
         return {"rows": rows, "max_abs_diff": np.abs(ours - theirs).max(), "largest": np.abs(theirs).max(),
@@ -183,12 +183,12 @@ def stored_rows(stored: Path) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def optimiser_check(stored: Path, own: torch.Tensor) -> pd.DataFrame:
-    """:func:`pearson_weights` on AT2's stored training rows (``stored``, :func:`stored_rows`) against AT2's
-    estimator ``own`` [F], one row per fit: the samples in their stored order, and in 5 random orders a
-    step (AT2's trainer draws its batch in a new order each step, so how far these land from each other is
-    how far its own result moves with the order of a float sum)."""
-    x, y = (torch.from_numpy(values) for values in stored_rows(stored))
+def optimiser_check(rows: np.ndarray, outputs: np.ndarray, own: torch.Tensor) -> pd.DataFrame:
+    """:func:`pearson_weights` on AT2's stored training ``rows`` and ``outputs`` (:func:`stored_rows`)
+    against AT2's estimator ``own`` [F], one row per fit: the samples in their stored order, and in 5
+    random orders a step (AT2's trainer draws its batch in a new order each step, so how far these land
+    from each other is how far its own result moves with the order of a float sum)."""
+    x, y = torch.from_numpy(rows), torch.from_numpy(outputs)
     fits = {"stored order": pearson_weights(x, y)}
     fits |= {
         f"random order {seed}": pearson_weights(x, y, order=np.random.RandomState(seed))
@@ -228,9 +228,9 @@ def refit_and_judge(args, model, tokenizer) -> pd.DataFrame:
         attribution = answer_attribution(model, sample.input_ids, sample.target_positions)
         return ablation_record(model, sample, attribution, masks(len(sample.sources), args.masks))
 
-    seeds = [(task, TRAIN_SEED + i) for task in TRAIN_TASKS for i in range(args.train_samples)]
     if args.at2_training is not None and not args.at2_masks:
-        return report(optimiser_check(args.at2_training, at2_estimator(args.model)), args.csv)
+        return report(optimiser_check(*stored_rows(args.at2_training), at2_estimator(args.model)), args.csv)
+    seeds = [(task, TRAIN_SEED + i) for task in TRAIN_TASKS for i in range(args.train_samples)]
     if args.at2_masks:
         train = [token_record(task, seed, at2_masks) for task, seed in seeds]
         return report(recipe_check(train, at2_estimator(args.model), args.at2_training), args.csv)
