@@ -44,11 +44,13 @@ The default, the main job, judges CDT's detectors (``attention``, ``information_
 ``embedding_grad``), the key-removal gradients (``key_removal_grad``, ``key_removal_banzhaf``) and
 ``leave_one_out`` on 24 samples (12 per task), with the protocol the studies at 4K and 8K use: k = 1, 4;
 16 random masks for LDS; leave-one-out exact on the 8 sources ``key_removal_grad`` ranks highest and its
-scaled estimate elsewhere (``--loo-top-m all``: exhaustive, one pass per source). Every row says what
-the detector cost (``seconds``, ``passes``). Faithfulness costs one masked pass per distinct mask
-(compacted: only the kept tokens run), at most 49 a sample with the default's eight scorers; the
-masks leave-one-out ran are not run again. Other settings than the defaults write to a folder of
-their own under ``figures/studies``, so that ``figures/`` holds exactly what the default writes.
+scaled estimate elsewhere (``--loo-top-m all``: exhaustive, one pass per source; ``--loo-rank-by
+key_removal_grad attn_lrp``: exact on the top M of each, the held-out study's choice at 16K and 32K,
+bench/README.md). Every row says what the detector cost (``seconds``, ``passes``). Faithfulness costs
+one masked pass per distinct mask (compacted: only the kept tokens run), at most 49 a sample with the
+default's eight scorers; the masks leave-one-out ran are not run again. Other settings than the
+defaults write to a folder of their own under ``figures/studies``, so that ``figures/`` holds exactly
+what the default writes.
 ``--dtype bfloat16`` halves the time on a CPU with native bf16 matrix products (avx512_bf16, AMX) and
 kept the main job's ranking (RESULTS.md, "The main job in bfloat16"); elsewhere it is slower.
 
@@ -224,7 +226,8 @@ def plot_intervals(intervals: pd.DataFrame) -> plt.Figure:
 
 def caption(args: argparse.Namespace, samples: int, with_loo: bool) -> str:
     """What every figure of a run says about it: model, length, samples, tasks, which leave-one-out."""
-    pruned = f"pruned: exact on {args.loo_top_m} sources a sample"
+    rankers = " and of ".join(args.loo_rank_by or ["key_removal_grad"])
+    pruned = f"pruned: exact on the top {args.loo_top_m} of {rankers} a sample"
     loo = f"; leave_one_out {'exhaustive' if args.loo_top_m is None else pruned}" if with_loo else ""
     about = f"{args.model}, {args.length} tokens, {samples} samples ({', '.join(args.tasks)})"
     return f"{about}{loo}; (ref.): a reference row"
@@ -295,6 +298,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "estimate (default 8; 'all': exhaustive, one pass per source)",
     )
     parser.add_argument(
+        "--loo-rank-by", nargs="+", default=None, choices=detectors.names(), metavar="DETECTOR",
+        help="the detectors whose top --loo-top-m sources a pruned leave_one_out removes one by one "
+        "(their union; the first scales onto the rest; default key_removal_grad)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-new-tokens",
         type=int,
         default=None,
@@ -363,6 +371,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--lsd-k must be between 1 and --length - 1 ({args.length - 1}), got {args.lsd_k}")
     if args.top_k < 1:
         parser.error("--top-k must be at least 1")
+    if args.loo_rank_by and (args.loo_top_m is None or "leave_one_out" in args.loo_rank_by):
+        parser.error(
+            "--loo-rank-by ranks for a pruned leave_one_out: give --loo-top-m a number (not 'all') and "
+            "other detectors than leave_one_out"
+        )
     if args.rejudge and args.resume:
         parser.error("--rejudge redraws a finished study, --resume continues an unfinished one: give one")
     if args.known is not None and args.rejudge:
@@ -397,8 +410,9 @@ def study_folder(args: argparse.Namespace) -> Path:
     chosen = {
         key: value for key, value in vars(args).items() if key not in (*NOT_SETTINGS, "model", "length")
     }
-    if chosen["dtype"] is None:  # the model's own: the folder keeps the name it had before --dtype
-        del chosen["dtype"]
+    for later in ("dtype", "loo_rank_by"):  # at its default, the folder keeps the name it had before
+        if chosen[later] is None:
+            del chosen[later]
     if all(value == defaults[key] for key, value in chosen.items()):
         return Path("figures")
     digest = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
@@ -412,15 +426,17 @@ def detector_options(
     loo_top_m: int | None = None,
     top_k: int = 30,
     lsd_k: int | None = None,
+    loo_rank_by: list[str] | None = None,
 ) -> dict[str, dict]:
     """The study's options of each detector of ``names`` at ``length`` tokens: LSD's short context
-    (``lsd_k``, default a quarter of the length), leave-one-out's ``top_m`` (None: exhaustive), the
-    top-k sets' ``top_k``, and masks for ``context_cite`` and ``key_removal_banzhaf`` drawn from
+    (``lsd_k``, default a quarter of the length), leave-one-out's ``top_m`` (None: exhaustive) and
+    ``rank_by`` (``loo_rank_by``; None: its default), the top-k sets' ``top_k``, and masks for
+    ``context_cite`` and ``key_removal_banzhaf`` drawn from
     ``seed + 1``, so that they differ from the LDS masks (``seed``)."""
     lsd_k = length // 4 if lsd_k is None else lsd_k
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
     options["context_cite"] = options["key_removal_banzhaf"] = {"seed": seed + 1}
-    options["leave_one_out"] = {"top_m": loo_top_m}
+    options["leave_one_out"] = {"top_m": loo_top_m} | ({"rank_by": loo_rank_by} if loo_rank_by else {})
     return options | {name: {"top_k": top_k} for name in names if "top_k" in detectors.options(name)}
 
 
@@ -461,7 +477,9 @@ def run_study(
     """Every sample of the study, in resumable batches (:func:`analyses.sweep.sweep`): the tables
     ``metrics``, ``layers``, ``faithfulness`` and ``ablations`` (the passes run here, not ``saved``'s:
     another study's, read where they hold a mask); None in a helper process of an accelerate launch."""
-    options = detector_options(names, args.length, args.seed, args.loo_top_m, args.top_k, args.lsd_k)
+    options = detector_options(
+        names, args.length, args.seed, args.loo_top_m, args.top_k, args.lsd_k, args.loo_rank_by
+    )
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]
     parts = out / f".detector_{tag}_parts"

@@ -58,9 +58,8 @@ def same_top_k(scores: torch.Tensor, exhaustive: torch.Tensor, k: int) -> float:
 def union_sources(found: dict, sample, rank_by: str, top_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ranking Tensor[sources], chosen LongTensor[≤ top_m a detector]) of the ranking ``rank_by``: one
     detector's name, or ``A+B``: the ``top_m`` of each, A's ranking scores the rest."""
-    rankings = [found[name].source_scores(sample) for name in rank_by.split("+")]
-    chosen = torch.cat([pruned_sources(ranking, top_m) for ranking in rankings]).unique()
-    return rankings[0], chosen
+    rankings = torch.stack([found[name].source_scores(sample) for name in rank_by.split("+")])
+    return rankings[0], pruned_sources(rankings, top_m)
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:

@@ -211,6 +211,33 @@ def test_other_settings_write_to_a_study_folder_of_their_own():
     assert study.parent == other.parent == Path("figures/studies") and study != other
 
 
+def test_a_pruned_reference_ranked_by_several_detectors_is_a_study_of_its_own():
+    """``--loo-rank-by`` reaches leave_one_out's ``rank_by`` and names a new folder; left out, the
+    folders of the studies run before it keep their names (here the committed 4K pruned reference)."""
+    pruned = ["--model", "qwen2.5-coder-0.5b", "--length", "4096", "--tasks", "multihop-4", "kv",
+              "document-2", "key-token", "--samples", "3", "--seed", "5000", "--detectors",
+              "key_removal_grad", "leave_one_out", "--loo-top-m", "8", "--ks", "1", "2", "4", "8",
+              "--masks", "32", "--ceiling-masks", "0"]  # fmt: skip
+    committed = detector_compare.study_folder(detector_compare.parse_args(pruned))
+    assert committed.name == "detector_qwen2.5-coder-0.5b-4096_71b8e04d"
+    ranked = detector_compare.parse_args([*pruned, "--loo-rank-by", "key_removal_grad", "attn_lrp"])
+    assert detector_compare.study_folder(ranked) != committed
+    options = detector_compare.detector_options(
+        ranked.detectors, 4096, 5000, ranked.loo_top_m, loo_rank_by=ranked.loo_rank_by
+    )
+    assert options["leave_one_out"] == {"top_m": 8, "rank_by": ["key_removal_grad", "attn_lrp"]}
+    assert (
+        "rank_by" not in detector_compare.detector_options(ranked.detectors, 4096, 5000, 8)["leave_one_out"]
+    )
+
+
+@pytest.mark.parametrize("wrong", [["--loo-top-m", "all"], ["--loo-rank-by", "leave_one_out"]])
+def test_a_ranking_for_no_pruned_leave_one_out_is_refused(wrong, capsys):
+    with pytest.raises(SystemExit):
+        detector_compare.parse_args(["--loo-rank-by", "attn_lrp", *wrong])
+    assert "--loo-rank-by ranks for a pruned leave_one_out" in capsys.readouterr().err
+
+
 def killed_in_the_second_task(monkeypatch) -> None:
     """``compare_samples`` from now on stops the run (as a kill would) when it reaches ``multihop-2``."""
     compare = detector_compare.compare_samples

@@ -292,6 +292,51 @@ def test_pruned_leave_one_out_reuses_the_ranking_a_shared_call_made(model, sampl
         probe.detect("leave_one_out", model, None, sample, ranking=torch.zeros(len(sample.sources)))
 
 
+def test_pruned_leave_one_out_ranked_by_several_detectors_against_a_brute_force_loop(
+    model, sample, monkeypatch
+):
+    """``rank_by`` naming two detectors removes the union of each one's top ``top_m`` one by one (each
+    drop against an eager pass with the source's keys masked by hand) and scores every other source
+    by the first detector's scores times the least-squares scale onto the drops; detect_many hands
+    both rankings over, so neither runs again."""
+    rankers, top_m = ["attention", "embedding_grad"], 2
+    pruned = probe.detect("leave_one_out", model, None, sample, top_m=top_m, rank_by=rankers)
+    rankings = [probe.detect(name, model, None, sample).source_scores(sample) for name in rankers]
+    chosen = []
+    for ranking in rankings:
+        order = sorted(range(len(ranking)), key=lambda i: (-float(ranking[i]), i))
+        chosen += [i for i in order[:top_m] if i not in chosen]
+    assert 2 < len(chosen) <= 2 * top_m  # the two rankings differ here, so the union is larger
+    assert pruned.details["measured"].nonzero().flatten().tolist() == sorted(chosen)
+    assert pruned.details["passes"] == len(chosen) + 1
+    full = eager_answer_logprob(model, sample, [])
+    for i in chosen:
+        hidden = range(sample.sources[i].start, sample.sources[i].end)
+        drop = full - eager_answer_logprob(model, sample, hidden)
+        assert float(pruned.details["source_scores"][i]) == pytest.approx(drop, abs=COMPACT_ATOL)
+    first, drops = rankings[0].double().numpy(), pruned.details["source_scores"].double().numpy()
+    (scale,), *_ = np.linalg.lstsq(first[chosen, None], drops[chosen], rcond=None)
+    rest = [i for i in range(len(sample.sources)) if i not in chosen]
+    np.testing.assert_allclose(drops[rest], scale * first[rest], rtol=1e-4, atol=1e-7)
+    assert pruned.settings["rank_by"] == rankers
+
+    runs = []
+    for name in rankers:
+        real = detectors.registry._REGISTRY[name]
+        counted = functools.wraps(real)(lambda *a, real=real, **kw: runs.append(1) or real(*a, **kw))
+        monkeypatch.setitem(detectors.registry._REGISTRY, name, counted)
+    options = {"leave_one_out": {"top_m": top_m, "rank_by": rankers}}
+    found = detectors.detect_many([*rankers, "leave_one_out"], model, None, sample, options)
+    assert runs == []  # both came from the shared pass, and leave-one-out reused them
+    assert torch.allclose(found["leave_one_out"].scores, pruned.scores, atol=ATOL)
+    with pytest.raises(ValueError, match="for each of the 2 rank_by"):
+        probe.detect("leave_one_out", model, None, sample, top_m=2, rank_by=rankers, ranking=rankings[0])
+    for wrong, message in ((["attention", "nonsense"], "unknown detector"), (["leave_one_out"], "other")):
+        with pytest.raises(ValueError, match=message):
+            probe.detect("leave_one_out", model, None, sample, top_m=2, rank_by=wrong)
+    assert runs == []  # refused before any detector ran
+
+
 def test_evaluate_takes_the_masks_leave_one_out_ran_instead_of_running_them_again(model, sample, monkeypatch):
     """Masks in ``known`` (a leave-one-out's own passes) give the same evaluation as running them,
     and only the other masks run."""

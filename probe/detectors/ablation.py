@@ -6,13 +6,13 @@ ContextCite's sparse linear surrogate to random source subsets. Each token carri
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from probe.checks import check_number
-from probe.detectors.registry import Detection, options, register, spread_over_tokens
+from probe.detectors.registry import Detection, lookup, options, register, spread_over_tokens
 from probe.detectors.run import detect
 from probe.errors import InvalidValueError
 from probe.faithfulness import (
@@ -35,7 +35,7 @@ def leave_one_out(
     sample: Sample,
     reuse_prefix: bool = True,
     top_m: int | None = None,
-    rank_by: str = "key_removal_grad",
+    rank_by: str | Sequence[str] = "key_removal_grad",
     block: int = 1,
     refine: int = 4,
     target: Target | None = None,
@@ -50,9 +50,12 @@ def leave_one_out(
 
     - ``top_m``: only the ``top_m`` sources ranked highest by detector ``rank_by`` are removed one by
       one; every other source scores ``rank_by``'s source score times the least-squares scale that maps
-      it onto the measured drops (0 when fewer than two were measured). ``ranking`` (Tensor[sources]):
-      ``rank_by``'s source scores when they are at hand (:func:`~probe.detectors.detect_many` passes
-      the detection it already made), so that detector does not run again;
+      it onto the measured drops (0 when fewer than two were measured). ``rank_by`` may name several
+      detectors: then the union of each one's top ``top_m`` is removed (at most ``top_m`` a detector),
+      and the first one scores the rest. ``ranking`` (Tensor[sources], or Tensor[rankers, sources], a
+      row a ``rank_by`` detector): their source scores when they are at hand
+      (:func:`~probe.detectors.detect_many` passes the detections it already made), so that they do not
+      run again;
     - ``block > 1`` (hierarchical): each run of ``block`` consecutive sources is removed at once, then
       the ``refine`` blocks with the largest drops are split and their sources removed one by one;
       a source of an unrefined block scores its block's drop shared equally.
@@ -77,6 +80,13 @@ def leave_one_out(
         raise InvalidValueError(
             "ranking prunes leave-one-out to its top_m sources: give top_m too (or no ranking)"
         )
+    rankers = [rank_by] if isinstance(rank_by, str) else list(rank_by)
+    for name in rankers:  # every name, before any model work
+        lookup(name)
+    if not rankers or "leave_one_out" in rankers:
+        raise InvalidValueError(
+            f"rank_by must name one or more other detectors (e.g. 'key_removal_grad'), got {rank_by!r}"
+        )
     settings = {
         "reuse_prefix": reuse_prefix,
         "top_m": top_m,
@@ -88,15 +98,16 @@ def leave_one_out(
     how = {"reuse_prefix": reuse_prefix, "compact": compact, "target": target}
     if top_m is not None:
         if ranking is None:
-            explained = {"target": target} if "target" in options(rank_by) else {}
-            ranking = detect(rank_by, model, tokenizer, sample, **explained).source_scores(sample)
-        if ranking.shape != (n_sources,):
+            ranking = torch.stack([ranker_scores(name, model, tokenizer, sample, target) for name in rankers])
+        rankings = ranking.reshape(1, -1) if ranking.dim() == 1 else ranking
+        if rankings.shape != (len(rankers), n_sources):
             raise InvalidValueError(
-                f"ranking must hold one score per source ({n_sources}), got shape {tuple(ranking.shape)}"
+                f"ranking must hold one score per source ({n_sources}) for each of the {len(rankers)} "
+                f"rank_by detectors, got shape {tuple(ranking.shape)}"
             )
-        chosen = pruned_sources(ranking, top_m)
+        chosen = pruned_sources(rankings, top_m)
         drops, (removed, ran) = leave_one_out_drops(model, sample, chosen, **how)
-        effect = pruned_estimate(ranking, chosen, drops)
+        effect = pruned_estimate(rankings[0], chosen, drops)
         measured = torch.zeros(n_sources, dtype=torch.bool)
         measured[chosen] = True
     elif block > 1:
@@ -134,10 +145,20 @@ def leave_one_out(
     )
 
 
+def ranker_scores(name: str, model, tokenizer, sample: Sample, target: Target | None) -> torch.Tensor:
+    """Tensor[sources]: the source scores by which detector ``name`` ranks for pruned leave-one-out,
+    explaining ``target`` where the detector takes one."""
+    explained = {"target": target} if "target" in options(name) else {}
+    return detect(name, model, tokenizer, sample, **explained).source_scores(sample)
+
+
 def pruned_sources(ranking: torch.Tensor, top_m: int) -> torch.Tensor:
-    """LongTensor[≤ top_m]: the sources pruned leave-one-out removes one by one, the ``top_m`` that
-    ``ranking`` Tensor[sources] scores highest (ties: the earlier source first)."""
-    return torch.argsort(-ranking.float().cpu(), stable=True)[:top_m]
+    """LongTensor[≤ top_m a ranking]: the sources pruned leave-one-out removes one by one, the
+    ``top_m`` that ``ranking`` scores highest (ties: the earlier source first). ``ranking``:
+    Tensor[sources], or Tensor[rankers, sources]: the union of each row's ``top_m``, in the order
+    the rows first name them."""
+    tops = torch.argsort(-ranking.float().cpu().reshape(-1, ranking.shape[-1]), dim=1, stable=True)
+    return torch.tensor(list(dict.fromkeys(tops[:, :top_m].flatten().tolist())), dtype=torch.long)
 
 
 def pruned_estimate(ranking: torch.Tensor, chosen: torch.Tensor, drops: torch.Tensor) -> torch.Tensor:

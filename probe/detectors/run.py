@@ -180,16 +180,19 @@ def detect_many(
 def _ranking_at_hand(
     name: str, options: Mapping[str, Mapping[str, Any]], made: Mapping[str, Detection], sample: Sample
 ) -> dict[str, torch.Tensor]:
-    """``{"ranking": …}`` for a pruned ``leave_one_out`` whose ``rank_by`` detection this call has
-    already made for the same target (then it need not run again); ``{}`` otherwise."""
+    """``{"ranking": Tensor[rankers, sources]}`` for a pruned ``leave_one_out`` whose ``rank_by``
+    detections this call has all made already for the same target (then they need not run again);
+    ``{}`` otherwise."""
     chosen = options.get(name, {})
     if name != "leave_one_out" or chosen.get("top_m") is None or "ranking" in chosen:
         return {}
     defaults = inspect.signature(registry.lookup(name)).parameters
     rank_by = chosen.get("rank_by", defaults["rank_by"].default)
-    if rank_by not in made or options.get(rank_by, {}).get("target") is not chosen.get("target"):
+    rankers = [rank_by] if isinstance(rank_by, str) else list(rank_by)
+    target = chosen.get("target")
+    if any(r not in made or options.get(r, {}).get("target") is not target for r in rankers):
         return {}
-    return {"ranking": made[rank_by].source_scores(sample)}
+    return {"ranking": torch.stack([made[r].source_scores(sample) for r in rankers])}
 
 
 def from_attribution(
