@@ -210,8 +210,6 @@ def study_masks(n_sources: int, n_masks: int, ceiling_masks: int, seed: int) -> 
     from probe import faithfulness
 
     kept_lds = faithfulness.random_masks(n_sources, n_masks, 0.5, seed)
-    if not ceiling_masks:
-        return kept_lds, kept_lds[:0]
     return kept_lds, faithfulness.additive_ceiling_masks(kept_lds, ceiling_masks, seed=seed)
 
 

@@ -283,7 +283,9 @@ def additive_ceiling_masks(
     """BoolTensor[≤ count, sources] of kept sources the additive ceiling is fit on: ``count`` random
     masks seeded apart from the LDS masks (``seed`` + :data:`CEILING_SEED`), less any that is one of
     ``kept_lds`` (BoolTensor[masks, sources], the LDS masks), so the ceiling is never scored on a mask
-    it was fit on."""
+    it was fit on. ``count`` 0: none (a study run without the ceiling)."""
+    if count == 0:
+        return kept_lds[:0]
     fit = random_masks(kept_lds.shape[1], count, keep, seed + CEILING_SEED)
     return fit[~(fit[:, None] == kept_lds[None]).all(-1).any(-1)]
 

@@ -205,6 +205,7 @@ def test_the_ceilings_masks_are_its_own_draw_less_every_lds_mask():
     expected = [mask.tolist() for mask in draw if tuple(mask.tolist()) not in lds_rows]
     fit = faithfulness.additive_ceiling_masks(lds_masks, 40, seed=2)
     assert 0 < len(fit) < 40 and fit.tolist() == expected
+    assert faithfulness.additive_ceiling_masks(lds_masks, 0, seed=2).shape == (0, 3)  # no ceiling: none
 
 
 def test_evaluate_fits_the_ceiling_on_its_own_masks_and_shares_are_of_its_lds(model, sample):
