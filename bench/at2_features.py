@@ -38,7 +38,7 @@ logit-probability of the answer — against ours on the same masks, per layer:
     python bench/at2_features.py --at2-masks --model gemma3-270m \
         --at2-training .venv-peers/at2/train/gemma3-270m-20-32/features_and_outputs
 
-``--at2-training DIR`` alone: :func:`optimiser_check` only (no masked pass).
+``--at2-training DIR`` alone: :func:`optimiser_check` only (no model is loaded).
 """
 
 from __future__ import annotations
@@ -209,6 +209,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         "--at2-masks", action="store_true", help="AT2's recipe on its own masks vs its weights"
     )
     parser.add_argument("--at2-training", type=Path, default=None, help="AT2's features_and_outputs folder")
+    given = parser.parse_args(argv)
+    if given.at2_training is not None and not given.at2_masks:  # AT2's stored rows alone: no model
+        rows = stored_rows(given.at2_training)
+        return report(optimiser_check(*rows, at2_estimator(given.model)), given.csv)
     args, model, tokenizer, _ = new_seed_samples(
         __doc__, argv, tasks.HELD_OUT_TASKS, range(23000, 23003), parser
     )
@@ -228,8 +232,6 @@ def refit_and_judge(args, model, tokenizer) -> pd.DataFrame:
         attribution = answer_attribution(model, sample.input_ids, sample.target_positions)
         return ablation_record(model, sample, attribution, masks(len(sample.sources), args.masks))
 
-    if args.at2_training is not None and not args.at2_masks:
-        return report(optimiser_check(*stored_rows(args.at2_training), at2_estimator(args.model)), args.csv)
     seeds = [(task, TRAIN_SEED + i) for task in TRAIN_TASKS for i in range(args.train_samples)]
     if args.at2_masks:
         train = [token_record(task, seed, at2_masks) for task, seed in seeds]
