@@ -431,8 +431,8 @@ def detector_options(
     """The study's options of each detector of ``names`` at ``length`` tokens: LSD's short context
     (``lsd_k``, default a quarter of the length), leave-one-out's ``top_m`` (None: exhaustive) and
     ``rank_by`` (``loo_rank_by``; None: its default), the top-k sets' ``top_k``, and masks for
-    ``context_cite`` and ``key_removal_banzhaf`` drawn from
-    ``seed + 1``, so that they differ from the LDS masks (``seed``)."""
+    ``context_cite`` and ``key_removal_banzhaf`` drawn from ``seed + 1``, so that they differ from the
+    LDS masks (``seed``)."""
     lsd_k = length // 4 if lsd_k is None else lsd_k
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
     options["context_cite"] = options["key_removal_banzhaf"] = {"seed": seed + 1}
