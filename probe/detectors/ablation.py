@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from probe.checks import check_number
-from probe.detectors.registry import Detection, lookup, options, register, spread_over_tokens
+from probe.detectors.registry import Detection, looked_up, options, register, spread_over_tokens
 from probe.detectors.run import detect
 from probe.errors import InvalidValueError
 from probe.faithfulness import (
@@ -80,9 +80,7 @@ def leave_one_out(
         raise InvalidValueError(
             "ranking prunes leave-one-out to its top_m sources: give top_m too (or no ranking)"
         )
-    rankers = [rank_by] if isinstance(rank_by, str) else list(rank_by)
-    for name in rankers:  # every name, before any model work
-        lookup(name)
+    rankers = looked_up(rank_by)  # every name, before any model work
     if not rankers or "leave_one_out" in rankers:
         raise InvalidValueError(
             f"rank_by must name one or more other detectors (e.g. 'key_removal_grad'), got {rank_by!r}"

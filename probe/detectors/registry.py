@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,6 +333,14 @@ def lookup(name: str) -> Detector:
     if not isinstance(name, str) or name not in _REGISTRY:
         raise InvalidValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
+
+
+def looked_up(names: str | Sequence[str]) -> list[str]:
+    """``names`` (one detector name or several) as a list, every name checked by :func:`lookup`."""
+    listed = [names] if isinstance(names, str) else list(names)
+    for name in listed:
+        lookup(name)
+    return listed
 
 
 def options(name: str) -> list[str]:

@@ -188,7 +188,7 @@ def _ranking_at_hand(
         return {}
     defaults = inspect.signature(registry.lookup(name)).parameters
     rank_by = chosen.get("rank_by", defaults["rank_by"].default)
-    rankers = [rank_by] if isinstance(rank_by, str) else list(rank_by)
+    rankers = registry.looked_up(rank_by)
     target = chosen.get("target")
     if any(r not in made or options.get(r, {}).get("target") is not target for r in rankers):
         return {}
