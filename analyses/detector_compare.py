@@ -100,6 +100,7 @@ from probe.errors import InvalidValueError
 from probe.journal import Journal
 
 NOT_SETTINGS = ("resume", "rejudge", "out", "device", "known")  # arguments that do not make another study
+LOO_RANKER = inspect.signature(detectors.leave_one_out).parameters["rank_by"].default
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
 SCORE_COLUMNS = {
     "auroc": "AUROC (supporting)",
@@ -226,7 +227,7 @@ def plot_intervals(intervals: pd.DataFrame) -> plt.Figure:
 
 def caption(args: argparse.Namespace, samples: int, with_loo: bool) -> str:
     """What every figure of a run says about it: model, length, samples, tasks, which leave-one-out."""
-    rankers = " and of ".join(args.loo_rank_by or ["key_removal_grad"])
+    rankers = " and of ".join(args.loo_rank_by or [LOO_RANKER])
     pruned = f"pruned: exact on the top {args.loo_top_m} of {rankers} a sample"
     loo = f"; leave_one_out {'exhaustive' if args.loo_top_m is None else pruned}" if with_loo else ""
     about = f"{args.model}, {args.length} tokens, {samples} samples ({', '.join(args.tasks)})"
@@ -294,13 +295,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--loo-top-m",
         type=top_m,
         default=8,
-        help="leave_one_out exact on the M sources key_removal_grad ranks highest, the rest its scaled "
+        help=f"leave_one_out exact on the M sources {LOO_RANKER} ranks highest, the rest its scaled "
         "estimate (default 8; 'all': exhaustive, one pass per source)",
     )
     parser.add_argument(
         "--loo-rank-by", nargs="+", default=None, choices=detectors.names(), metavar="DETECTOR",
         help="the detectors whose top --loo-top-m sources a pruned leave_one_out removes one by one "
-        "(their union; the first scales onto the rest; default key_removal_grad)",
+        f"(their union; the first scales onto the rest; default {LOO_RANKER})",
     )  # fmt: skip
     parser.add_argument(
         "--max-new-tokens",
