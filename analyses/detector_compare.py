@@ -100,7 +100,7 @@ from probe.errors import InvalidValueError
 from probe.journal import Journal
 
 NOT_SETTINGS = ("resume", "rejudge", "out", "device", "known")  # arguments that do not make another study
-LOO_RANKER = inspect.signature(detectors.leave_one_out).parameters["rank_by"].default
+LOO_RANKER = detectors.option_default("leave_one_out", "rank_by")
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
 SCORE_COLUMNS = {
     "auroc": "AUROC (supporting)",

@@ -350,6 +350,13 @@ def test_options_lists_what_a_detector_accepts():
     assert "top_k" in detectors.options("attention") and "top_k" not in detectors.options("lsd")
 
 
+def test_option_default_is_the_signatures_default():
+    assert detectors.option_default("leave_one_out", "rank_by") == "key_removal_grad"
+    assert detectors.option_default("embedding_grad", "p") == 2.0
+    with pytest.raises(TypeError, match="takes no option 'p'"):
+        detectors.option_default("lsd", "p")
+
+
 def test_grad_times_input_is_the_derivative_of_the_answer_logprob_along_each_embeddings_scale():
     """e_i · ∂ log P/∂e_i = d log P(c · e_i)/dc at c = 1 (Euler), by central finite differences, with
     its sign: what gradient × input measures is a token's embedding made louder, not removed."""

@@ -348,6 +348,13 @@ def options(name: str) -> list[str]:
     return list(inspect.signature(lookup(name)).parameters)[3:]
 
 
+def option_default(name: str, option: str) -> Any:
+    """The default value of detector ``name``'s ``option``, as its signature gives it."""
+    if option not in options(name):
+        raise InvalidTypeError(f"detector {name!r} takes no option {option!r}; its options: {options(name)}")
+    return inspect.signature(lookup(name)).parameters[option].default
+
+
 def check_options(name: str, given: dict[str, Any]) -> None:
     """Refuse an option detector ``name`` does not take (a ``TypeError``, as Python refuses an unexpected
     keyword), and a value its annotation rules out

@@ -6,7 +6,6 @@ family from one shared pass), :func:`from_attribution` (a detection read off a p
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -186,9 +185,7 @@ def _ranking_at_hand(
     chosen = options.get(name, {})
     if name != "leave_one_out" or chosen.get("top_m") is None or "ranking" in chosen:
         return {}
-    defaults = inspect.signature(registry.lookup(name)).parameters
-    rank_by = chosen.get("rank_by", defaults["rank_by"].default)
-    rankers = registry.looked_up(rank_by)
+    rankers = registry.looked_up(chosen.get("rank_by", registry.option_default(name, "rank_by")))
     target = chosen.get("target")
     if any(r not in made or options.get(r, {}).get("target") is not target for r in rankers):
         return {}
