@@ -130,10 +130,10 @@ def register() -> None:
     engine sizes its device queues then), and never in a process with a GPU (the registered
     PrivateUse1 device would become the accelerator whose streams CUDA's backward asks for).
 
-    The device then is the process's accelerator, which accelerate (≥ 1.16) asks to empty its cache
-    whenever it moves a weight: :func:`torch.accelerator.empty_cache` is documented as a no-op for an
-    allocator not initialized, but asserts for a Python device, which has no caching allocator at
-    all; the device keeps no cache, so here it is the documented no-op."""
+    The device then is the process's accelerator, which accelerate (1.16; not the earlier versions we
+    ran) asks to empty its cache whenever it moves a weight: :func:`torch.accelerator.empty_cache` is
+    documented as a no-op for an allocator not initialized, but asserts for a Python device, which has
+    no caching allocator at all; the device keeps no cache, so here it is the documented no-op."""
     if torch._C._get_privateuse1_backend_name() != NAME:
         _setup_privateuseone_for_python_backend(NAME, backend_module=_Backend())
         torch.accelerator.empty_cache = _keeps_no_cache
