@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -348,10 +348,18 @@ def options(name: str) -> list[str]:
     return list(inspect.signature(lookup(name)).parameters)[3:]
 
 
+def _refuse_unknown(name: str, given: Iterable[str]) -> None:
+    """Refuse options detector ``name`` does not take, with a ``TypeError`` (as Python refuses an unexpected
+    keyword) that lists the options it does take."""
+    unknown = sorted(set(given) - set(options(name)))
+    if unknown:
+        listed = ", ".join(map(repr, unknown))
+        raise InvalidTypeError(f"detector {name!r} takes no option {listed}; its options: {options(name)}")
+
+
 def option_default(name: str, option: str) -> Any:
     """The default value of detector ``name``'s ``option``, as its signature gives it."""
-    if option not in options(name):
-        raise InvalidTypeError(f"detector {name!r} takes no option {option!r}; its options: {options(name)}")
+    _refuse_unknown(name, [option])
     return inspect.signature(lookup(name)).parameters[option].default
 
 
@@ -359,10 +367,8 @@ def check_options(name: str, given: dict[str, Any]) -> None:
     """Refuse an option detector ``name`` does not take (a ``TypeError``, as Python refuses an unexpected
     keyword), and a value its annotation rules out
     (:func:`probe.checks.check_option`), before any model work."""
+    _refuse_unknown(name, given)
     parameters = inspect.signature(lookup(name)).parameters
-    unknown = sorted(set(given) - set(list(parameters)[3:]))
-    if unknown:
-        raise InvalidTypeError(f"detector {name!r} takes no option {unknown}; its options: {options(name)}")
     for option, value in given.items():
         check_option(value, str(parameters[option].annotation), f"detector {name!r} option {option}")
 
