@@ -72,6 +72,23 @@ def test_answer_scores_match_eager_with_explicit_masks_and_reuse_is_exact(model,
         assert torch.equal(batched.correct, uncached.correct)
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["compacted", "key-masked"])
+def test_passes_run_the_lm_head_on_the_answer_rows_only(model, sample, compact):
+    """The prefix cache's passes read no logits: [rows, vocab] of a long prefix would not fit beside a
+    large vocabulary (17 GB at 16K tokens on Gemma 3)."""
+    rows_seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: rows_seen.append(args[0].shape[-2])
+    )
+    removed = faithfulness.random_masks(len(sample.sources), 4, seed=3)
+    try:
+        faithfulness.answer_scores(model, sample, removed, reuse_prefix=True, compact=compact)
+    finally:
+        hook.remove()
+    assert len(rows_seen) > len(removed)  # the prefix cache was extended
+    assert max(rows_seen) <= len(sample.target_positions)
+
+
 @pytest.mark.parametrize("compact", [None, False], ids=["compacted", "key-masked"])
 def test_leave_one_out_equals_hand_computed_differences(model, sample, compact):
     detection = probe.detect("leave_one_out", model, None, sample, compact=compact)
