@@ -74,8 +74,8 @@ def test_answer_scores_match_eager_with_explicit_masks_and_reuse_is_exact(model,
 
 @pytest.mark.parametrize("compact", [True, False], ids=["compacted", "key-masked"])
 def test_passes_run_the_lm_head_on_the_answer_rows_only(model, sample, compact):
-    """The prefix cache's passes read no logits: [rows, vocab] of a long prefix would not fit beside a
-    large vocabulary (17 GB at 16K tokens on Gemma 3)."""
+    """The passes that extend the prefix cache keep one row of logits: [rows, vocab] of a long prefix
+    would not fit beside a large vocabulary (17 GB at 16K tokens on Gemma 3)."""
     rows_seen = []
     hook = model.get_output_embeddings().register_forward_hook(
         lambda module, args, output: rows_seen.append(args[0].shape[-2])
