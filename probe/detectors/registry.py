@@ -351,10 +351,11 @@ def options(name: str) -> list[str]:
 def _refuse_unknown(name: str, given: Iterable[str]) -> None:
     """Refuse options detector ``name`` does not take, with a ``TypeError`` (as Python refuses an unexpected
     keyword) that lists the options it does take."""
-    unknown = sorted(set(given) - set(options(name)))
+    accepted = options(name)
+    unknown = sorted(set(given) - set(accepted))
     if unknown:
         listed = ", ".join(map(repr, unknown))
-        raise InvalidTypeError(f"detector {name!r} takes no option {listed}; its options: {options(name)}")
+        raise InvalidTypeError(f"detector {name!r} takes no option {listed}; its options: {accepted}")
 
 
 def option_default(name: str, option: str) -> Any:
