@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from unittest.mock import patch
 
@@ -231,6 +232,41 @@ def test_a_runners_seconds_are_cpu_seconds_and_a_too_long_answer_is_a_failure_th
     assert answers["waits"]["seconds"] < 0.1 and 0.2 <= answers["computes"]["seconds"] < 0.5
     assert answers["long"]["error"] == "not run: 3 answer tokens, --max-answer-tokens 2"
     assert peer_io.model_folders(exported) == {"m"}
+
+
+def test_a_run_killed_inside_a_sample_resumes_at_its_next_step_and_counts_every_steps_seconds(tmp_path):
+    """``peer_io.StepJournal``: the steps a killed run finished are read back, not run again (a step cut
+    off by the kill runs again); the sample's ``seconds`` add the CPU seconds those steps took before the
+    kill; the journal goes once every sample has its line."""
+    import peer_io
+
+    exported, out = tmp_path / "samples.jsonl", tmp_path / "scores.jsonl"
+    exported.write_text('{"key": "a", "model": "m", "input_ids": [1, 2, 3, 4], "prompt_tokens": 1}\n')
+    args = argparse.Namespace(exported=exported, out=out, max_answer_tokens=None)
+    ran = []
+
+    def score(journal: peer_io.StepJournal, kill_at: int | None) -> list[float]:
+        def step(position: int) -> list[float]:
+            if position == kill_at:
+                raise KeyboardInterrupt  # the run is killed while this step runs
+            start = time.process_time()
+            while time.process_time() - start < 0.1:
+                pass
+            ran.append(position)
+            return [float(position), 0.5]
+
+        values = [journal.step("a", position, partial(step, position)) for position in (1, 2, 3)]
+        return [sum(column) for column in zip(*values, strict=True)]
+
+    journal = peer_io.StepJournal(out)
+    with pytest.raises(KeyboardInterrupt):
+        peer_io.run(args, lambda sample: score(journal, kill_at=3), journal)
+    journal.path.write_text(journal.path.read_text() + '{"key": "a", "step": 3, "val')  # cut off by the kill
+    journal = peer_io.StepJournal(out)
+    peer_io.run(args, lambda sample: score(journal, kill_at=None), journal)
+    (answer,) = map(json.loads, out.read_text().splitlines())
+    assert ran == [1, 2, 3] and answer["scores"] == [6.0, 1.5]
+    assert 0.3 <= answer["seconds"] < 0.6 and not journal.path.exists()
 
 
 def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detectors(tmp_path):

@@ -53,10 +53,51 @@ def model_folders(path: Path) -> set[str]:
     return {sample["model"] for sample in samples(path)}
 
 
-def run(args: argparse.Namespace, score: Callable[[dict], list[float]]) -> None:
+class StepJournal:
+    """The finished steps of the sample being scored (e.g. one answer token each), one JSON line a step in
+    ``OUT.steps.partial``: a run killed inside a long sample resumes at its next step, and the sample's
+    ``seconds`` still count the CPU seconds of the steps run before the kill (:meth:`replayed_seconds`).
+    Give it to :func:`run`, which removes the file once every sample has its line."""
+
+    def __init__(self, out: Path):
+        self.path = out.with_name(out.name + ".steps.partial")
+        self.done: dict[tuple[str, int], dict] = {}
+        for line in self.path.read_text().splitlines() if self.path.exists() else []:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break  # the last line, cut off by a kill
+            self.done[record["key"], record["step"]] = record
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in self.done.values()))
+        self.replayed: dict[str, float] = {}
+
+    def step(self, key: str, step: int, compute: Callable[[], list[float]]) -> list[float]:
+        """Step ``step`` of sample ``key``: read back if a run before this one finished it, else computed
+        by ``compute`` and journaled with its CPU seconds."""
+        if (key, step) in self.done:
+            record = self.done[key, step]
+            self.replayed[key] = self.replayed.get(key, 0.0) + record["seconds"]
+            return record["values"]
+        start = time.process_time()
+        values = [float(x) for x in compute()]
+        record = {"key": key, "step": step, "values": values, "seconds": time.process_time() - start}
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        self.done[key, step] = record
+        return values
+
+    def replayed_seconds(self, key: str) -> float:
+        """CPU seconds that runs before this one spent on the steps of ``key`` read back here."""
+        return self.replayed.get(key, 0.0)
+
+
+def run(
+    args: argparse.Namespace, score: Callable[[dict], list[float]], journal: StepJournal | None = None
+) -> None:
     """Score every sample of ``args.exported`` with ``score`` and write the answers to ``args.out``
     (:func:`resumable`); a sample whose answer has more than ``args.max_answer_tokens`` tokens is not
-    scored, its line says why. ``args``: :func:`arguments`."""
+    scored, its line says why. ``args``: :func:`arguments`. ``journal``: the :class:`StepJournal` that
+    ``score`` keeps its steps in, whose earlier runs' seconds each sample's ``seconds`` include."""
 
     def answer(sample: dict) -> dict:
         length, limit = len(sample["input_ids"]) - sample["prompt_tokens"], args.max_answer_tokens
@@ -66,13 +107,16 @@ def run(args: argparse.Namespace, score: Callable[[dict], list[float]]) -> None:
         start = time.process_time()
         try:
             scores = [float(x) for x in score(sample)]
-            return {"key": sample["key"], "scores": scores, "seconds": time.process_time() - start}
+            earlier = journal.replayed_seconds(sample["key"]) if journal else 0.0
+            return {"key": sample["key"], "scores": scores, "seconds": time.process_time() - start + earlier}
         except Exception as error:  # a peer's failure is a result: recorded, not hidden
             return {"key": sample["key"], "error": f"{type(error).__name__}: {error}",
                     "trace": traceback.format_exc(limit=4)}  # fmt: skip
 
     jobs = ((sample["key"], functools.partial(answer, sample)) for sample in samples(args.exported))
     resumable(args.out, jobs)
+    if journal:
+        journal.path.unlink(missing_ok=True)
 
 
 def cpu() -> str:
