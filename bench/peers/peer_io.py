@@ -53,6 +53,19 @@ def model_folders(path: Path) -> set[str]:
     return {sample["model"] for sample in samples(path)}
 
 
+def journaled(path: Path) -> list[dict]:
+    """The records of a JSON-lines journal (none if it does not exist yet), rewritten without a last line
+    cut off by a kill, so that appending goes on after the last whole record."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the last line, cut off by a kill
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return records
+
+
 class StepJournal:
     """The finished steps of the sample being scored (e.g. one answer token each), one JSON line a step in
     ``OUT.steps.partial``: a run killed inside a long sample resumes at its next step, and the sample's
@@ -61,14 +74,7 @@ class StepJournal:
 
     def __init__(self, out: Path):
         self.path = out.with_name(out.name + ".steps.partial")
-        self.done: dict[tuple[str, int], dict] = {}
-        for line in self.path.read_text().splitlines() if self.path.exists() else []:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                break  # the last line, cut off by a kill
-            self.done[record["key"], record["step"]] = record
-        self.path.write_text("".join(json.dumps(record) + "\n" for record in self.done.values()))
+        self.done = {(record["key"], record["step"]): record for record in journaled(self.path)}
         self.replayed: dict[str, float] = {}
 
     def step(self, key: str, step: int, compute: Callable[[], list[float]]) -> list[float]:
@@ -134,13 +140,7 @@ def resumable(out: Path, jobs: Iterable[tuple[str, Callable[[], dict]]]) -> None
     once, a restart skips the keys found there (a line cut off by a kill is dropped and its job runs
     again), and ``out`` appears by one rename once every job has its line."""
     partial = out.with_name(out.name + ".partial")
-    done = []
-    for line in partial.read_text().splitlines() if partial.exists() else []:
-        try:
-            done.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # the last line, cut off by a kill
-    partial.write_text("".join(json.dumps(record) + "\n" for record in done))
+    done = journaled(partial)
     finished = {record["key"] for record in done}
     with partial.open("a") as file:
         for key, make in jobs:
