@@ -208,6 +208,27 @@ def test_a_killed_run_resumes_where_it_stopped_and_writes_its_answers_once(tmp_p
     assert [json.loads(line)["key"] for line in out.read_text().splitlines()] == ["a", "b", "c"]
 
 
+def test_a_journal_is_rewritten_without_its_cut_line_and_never_shortened_by_a_kill(tmp_path):
+    """``peer_io.journaled`` drops a last line cut off by a kill and rewrites the journal by one rename: a
+    kill while the new file is written leaves the old journal whole, and no temporary file stays."""
+    import peer_io
+
+    journal = tmp_path / "out.jsonl.partial"
+    whole = '{"key": "a"}\n{"key": "b"}\n'
+    journal.write_text(whole + '{"key": "c", "sco')
+    written = Path.write_text
+
+    def killed(self, text):
+        written(self, text[:5])  # the kill comes after five characters
+        raise KeyboardInterrupt
+
+    with patch.object(Path, "write_text", killed), pytest.raises(KeyboardInterrupt):
+        peer_io.journaled(journal)
+    assert journal.read_text() == whole + '{"key": "c", "sco'
+    assert peer_io.journaled(journal) == [{"key": "a"}, {"key": "b"}]
+    assert journal.read_text() == whole and [path.name for path in tmp_path.iterdir()] == [journal.name]
+
+
 def test_a_runners_seconds_are_cpu_seconds_and_a_too_long_answer_is_a_failure_that_says_why(tmp_path):
     """``peer_io.run`` times the scoring with the process's CPU clock: a method that waits (another job
     on the core, a paused run) costs nothing extra, one that computes costs its computing; a sample

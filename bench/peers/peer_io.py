@@ -55,14 +55,17 @@ def model_folders(path: Path) -> set[str]:
 
 def journaled(path: Path) -> list[dict]:
     """The records of a JSON-lines journal (none if it does not exist yet), rewritten without a last line
-    cut off by a kill, so that appending goes on after the last whole record."""
+    cut off by a kill, so that appending goes on after the last whole record. The rewrite is one rename
+    of a whole new file: a kill during it leaves the old journal, never a shortened one."""
     records = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             break  # the last line, cut off by a kill
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    rewritten = path.with_name(path.name + ".tmp")
+    rewritten.write_text("".join(json.dumps(record) + "\n" for record in records))
+    rewritten.replace(path)
     return records
 
 
