@@ -26,7 +26,7 @@ import torch
 import probe
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from probe import detectors, faithfulness
-from probe.results import atomic_write
+from probe.atomic import atomic_write
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -27,7 +27,7 @@ from scipy.stats import pearsonr
 from analyses import longppl
 from analyses.detector_compare import running_tables
 from probe import tasks
-from probe.results import atomic_write
+from probe.atomic import atomic_write
 from probe.stats import MIN_UNITS, Estimate, bootstrap, correlation, difference
 
 START, END = "<!-- claims:start -->", "<!-- claims:end -->"

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from probe.results import atomic_write  # noqa: E402
+from probe.atomic import atomic_write  # noqa: E402
 
 
 def save_figure(fig: plt.Figure, table: pd.DataFrame, out: Path, name: str) -> Path:

@@ -34,7 +34,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env
 from tqdm.auto import tqdm
 
-from probe.results import atomic_write
+from probe.atomic import atomic_write
 
 Tables = dict[str, pd.DataFrame]
 

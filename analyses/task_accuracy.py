@@ -30,8 +30,8 @@ from analyses.arguments import add_device_arguments, check_device_arguments, che
 from analyses.output import save_figure
 from analyses.sweep import sweep
 from probe import answer, tasks
+from probe.atomic import atomic_write
 from probe.models import REAL_MODELS
-from probe.results import atomic_write
 
 NAME = "task_accuracy"
 KEYS = ["model", "task", "length", "seed"]

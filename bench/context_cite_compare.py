@@ -83,8 +83,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from harness import add_device_arguments, load  # noqa: E402
 
 import probe  # noqa: E402
+from probe.atomic import atomic_write  # noqa: E402
 from probe.faithfulness import answer_scores  # noqa: E402
-from probe.results import atomic_write  # noqa: E402
 from probe.tasks import Sample  # noqa: E402
 from probe.tasks.spans import chat_wrapper  # noqa: E402
 

@@ -22,7 +22,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `analyses` without an install
 
-from probe.results import atomic_write  # noqa: E402
+from probe.atomic import atomic_write  # noqa: E402
 from probe.stats import bootstrap  # noqa: E402
 
 METRICS = ("lds", "aopc_comprehensiveness", "aopc_sufficiency")

@@ -23,8 +23,8 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `probe` without an install
 
+from probe.atomic import atomic_write  # noqa: E402
 from probe.journal import Journal  # noqa: E402
-from probe.results import atomic_write  # noqa: E402
 
 
 def rss_mib(field: str = "VmRSS") -> float:

@@ -25,7 +25,7 @@ import torch
 from harness import load
 
 from probe import attention, detectors, modifiers, tasks
-from probe.results import atomic_write
+from probe.atomic import atomic_write
 
 DETECTORS = {
     "information_flow": ("information_flow", {}),

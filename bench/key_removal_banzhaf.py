@@ -53,8 +53,8 @@ import torch
 from harness import load, samples_parser
 
 from probe import detectors, faithfulness, tasks
+from probe.atomic import atomic_write
 from probe.key_removal import key_removal_gradient
-from probe.results import atomic_write
 from probe.stats import bootstrap
 
 REFERENCE = (

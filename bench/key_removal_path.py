@@ -21,8 +21,8 @@ from harness import add_device_arguments, load
 
 import probe
 from probe import faithfulness, tasks
+from probe.atomic import atomic_write
 from probe.key_removal import key_removal_gradient
-from probe.results import atomic_write
 
 VARIANTS = {"krg": (0.0, 1), "ig_d4_m4": (4.0, 4), "ig_d12_m4": (12.0, 4)}
 

@@ -1,4 +1,4 @@
-"""What every result object shares, and writing files so that none is ever left half-written.
+"""What every result object shares: settings, a tidy table, saving and loading (atomically).
 
 A result (``Detection``, ``RetrievalScores``, ``LongPPLResult`` ...) carries the ``settings`` that
 produced it, turns into a tidy ``to_frame()``, and round-trips through ``save(path)`` /
@@ -8,15 +8,14 @@ produced it, turns into a tidy ``to_frame()``, and round-trips through ``save(pa
 from __future__ import annotations
 
 import json
-import os
-import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import pandas as pd
 
+from probe.atomic import atomic_write
 from probe.errors import InvalidValueError, LongprobeError, NotFoundError
 
 
@@ -38,23 +37,6 @@ class Result(Protocol):
     def load(cls, path: str | Path) -> Result:
         """The result :meth:`save` wrote."""
         ...
-
-
-def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
-    """Call ``write(tmp_path)``, then rename the temporary file onto ``path`` (same folder).
-
-    The temporary name is unique to this call (process id and a random suffix), so concurrent
-    writers of one path never collide: each rename is whole, and the last complete write wins.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}-{secrets.token_hex(4)}{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def write_json(path: str | Path, record: Any) -> Path:

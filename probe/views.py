@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from probe.atomic import atomic_write
 from probe.errors import InvalidValueError
-from probe.results import atomic_write
 
 COLOURS = {
     "supporting": "#1b9e77",

@@ -2,7 +2,7 @@
 
 import threading
 
-from probe.results import atomic_write
+from probe.atomic import atomic_write
 
 
 def test_concurrent_writers_of_one_path_never_collide(tmp_path):

@@ -65,9 +65,9 @@ import probe  # noqa: E402
 from analyses.claims import update_results  # noqa: E402
 from analyses.detector_compare import saved_passes  # noqa: E402
 from probe import faithfulness, stats, tasks  # noqa: E402
+from probe.atomic import atomic_write  # noqa: E402
 from probe.errors import InvalidValueError  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
-from probe.results import atomic_write  # noqa: E402
 
 # at2 last: its estimator is trained first (bench/peers/at2/train.py), and that takes hours here
 PEERS = ["context_cite", "lxt", "gim:full", "gim:shipped", "flashtrace", "inseq:attention", "inseq:saliency",

@@ -26,8 +26,8 @@ import peer_io
 import torch
 
 from probe import faithfulness
+from probe.atomic import atomic_write
 from probe.errors import InvalidValueError
-from probe.results import atomic_write
 from probe.tasks import Sample
 
 

@@ -33,8 +33,8 @@ import exchange  # noqa: E402
 from export_samples import heldout_samples  # noqa: E402
 
 from probe import load_model  # noqa: E402
+from probe.atomic import atomic_write  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
-from probe.results import atomic_write  # noqa: E402
 
 
 def measure(command: list[str], cap_bytes: int, wall: float, log: Path) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import platform
@@ -22,6 +23,14 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+ATOMIC = Path(__file__).resolve().parents[2] / "probe" / "atomic.py"
+_spec = importlib.util.spec_from_file_location("longprobe_atomic", ATOMIC)
+_atomic = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_atomic)
+atomic_write = _atomic.atomic_write
+"""longprobe's :func:`probe.atomic.atomic_write`, loaded from its file: ``probe`` itself (torch, transformers
+of longprobe's versions) is not installed in a peer's environment, its standard-library-only writer is."""
 
 
 def arguments(methods: list[str] | None = None) -> argparse.Namespace:
@@ -63,9 +72,7 @@ def journaled(path: Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             break  # the last line, cut off by a kill
-    rewritten = path.with_name(path.name + ".tmp")
-    rewritten.write_text("".join(json.dumps(record) + "\n" for record in records))
-    rewritten.replace(path)
+    atomic_write(path, lambda tmp: tmp.write_text("".join(json.dumps(record) + "\n" for record in records)))
     return records
 
 
