@@ -1,5 +1,5 @@
 """The memory planner's predicted peak against the measured one: ``information_flow`` with and without
-checkpointing, on the real models, at growing lengths.
+checkpointing, and the key-bias pass of ``key_removal_banzhaf``, on the real models, at growing lengths.
 
 Each (model, method, length) runs in its own child process (the shared harness): the child loads the
 model, warms it up, resets the kernel's peak-RSS counter and runs ``probe.information_flow`` once —
@@ -12,6 +12,9 @@ by the child just before its run (the machine has 2 cores).
 
 - ``plain``: ``probe.information_flow(model, ids, targets)``.
 - ``checkpointed``: the same call inside ``probe.checkpointing.checkpointed(model)``.
+- ``key_bias``: ``probe.key_removal.key_removal_gradient`` checkpointed at presence ½ over sources of
+  64 tokens (the pass of ``key_removal_banzhaf``: the key bias on the CPU flash kernel, its masks
+  under the planner's ``key_bias`` term), predicted with the same bias active.
 
     python bench/planner_validation.py --csv bench/results/planner_validation.csv
     python bench/planner_validation.py --models smollm2-135m --lengths 1024 2048   # quick
@@ -32,8 +35,22 @@ from pathlib import Path
 import pandas as pd
 from harness import bench_parser, device_arguments, load, measure, report, run_children
 
-METHODS = ("plain", "checkpointed")
+METHODS = ("plain", "checkpointed", "key_bias")
+SOURCE_TOKENS = 64  # tokens per source of the key_bias method
 MODELS = ("smollm2-135m", "gemma3-270m")
+
+
+def prediction(model, method: str, length: int, n_targets: int):
+    """The planner's :class:`probe.planner.Plan` for ``method`` on ``model`` (a model or its config)."""
+    import torch
+
+    from probe.modifiers import KeyBias
+    from probe.planner import plan
+
+    if method == "key_bias":
+        bias = KeyBias(torch.zeros(1, length, requires_grad=True))
+        return plan(model, length, "embedding_grads", n_targets, checkpoint=True, modifiers=[bias])
+    return plan(model, length, "information_flow", rows=n_targets, checkpoint=method == "checkpointed")
 
 
 def _run_child(
@@ -44,17 +61,24 @@ def _run_child(
 
     import probe
     from probe.checkpointing import checkpointed
-    from probe.planner import plan
+    from probe.key_removal import key_removal_gradient
     from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name, device, dtype)
     ids = essay_ids(tokenizer, length)[0][None].to(device)
     targets = torch.arange(length - n_targets, length, device=device)
-    checkpoint = method == "checkpointed"
-    predicted = plan(model, length, "information_flow", rows=n_targets, checkpoint=checkpoint)
+    checkpoint = method != "plain"
+    sources = [
+        (start, start + SOURCE_TOKENS)
+        for start in range(0, length - n_targets - SOURCE_TOKENS, SOURCE_TOKENS)
+    ]
+    predicted = prediction(model, method, length, n_targets)
 
     def run():
+        if method == "key_bias":
+            key_removal_gradient(model, ids, targets, checkpoint=True, sources=sources, presence=0.5)
+            return
         with checkpointed(model, enabled=checkpoint):
             probe.information_flow(model, ids, targets)
 
@@ -83,7 +107,6 @@ def repredict(paths: list, n_targets: int) -> pd.DataFrame:
     from transformers import AutoConfig
 
     from probe.models import converted_folder
-    from probe.planner import plan
 
     measured = pd.concat(
         [pd.read_csv(path).assign(source=Path(path).name) for path in paths], ignore_index=True
@@ -93,8 +116,7 @@ def repredict(paths: list, n_targets: int) -> pd.DataFrame:
     configs = {name: AutoConfig.from_pretrained(converted_folder(name)) for name in measured.model.unique()}
     rows = []
     for row in measured.itertuples():
-        predicted = plan(configs[row.model], int(row.length), "information_flow", rows=n_targets,
-                         checkpoint=row.method == "checkpointed")  # fmt: skip
+        predicted = prediction(configs[row.model], row.method, int(row.length), n_targets)
         rows.append({
             "model": row.model, "length": int(row.length), "method": row.method, "peak_mib": row.peak_mib,
             "predicted_mib": predicted.total / 2**20,

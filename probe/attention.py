@@ -334,6 +334,15 @@ def flash_key_bias(modifiers: Sequence[Modifier], device: torch.device | str, pl
     return one and plain and torch.device(device).type == "cpu"
 
 
+def key_bias_mask_elements(window: int | None, seq_len: int) -> int:
+    """Elements (rows × keys) of the largest mask one flash call of a key bias builds on a layer of
+    ``window`` over ``seq_len`` tokens (:func:`_key_biased_output`): one window of queries over its
+    band on a sliding layer, else :data:`KEY_BIAS_BLOCK` rows over every key."""
+    if runs_in_bands(window, seq_len, seq_len):
+        return window * (2 * window - 1)
+    return min(seq_len, KEY_BIAS_BLOCK) * seq_len
+
+
 def _key_biased_output(query, key, value, attention_mask, logits: Logits, modifier: Modifier) -> torch.Tensor:
     """The key-biased attention [batch, q, heads, dim] on the flash kernel, in bands of one window
     of queries on a sliding layer (as :func:`_windowed_sdpa`)."""

@@ -24,6 +24,7 @@ from probe.attention import (
     Modifier,
     active_modifiers,
     flash_key_bias,
+    key_bias_mask_elements,
     modify,
     not_reached,
 )
@@ -143,15 +144,17 @@ class KeyBias(Modifier):
     def memory(
         self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool, alongside: Sequence[Modifier]
     ) -> dict[str, int]:
-        """With a gradient on the bias: on the flash kernel (:func:`probe.attention.flash_key_bias`) the
-        running layer's masks, the model's and the compensated one (``2·n²·a + n²``); else sdpa's
-        math kernel keeps each layer's full attention and the ``[n, n]`` later-key mask
-        (``2·H·n²·a + n²``, every layer; one at a time checkpointed), and its backward the fp32
-        probabilities' gradient of one layer (``2·H·n²·4``)."""
+        """With a gradient on the bias: on the flash kernel (:func:`probe.attention.flash_key_bias`) one
+        call's masks, the model's and the compensated one, and a boolean one (``m·(2·a + 1)`` for the
+        largest call's ``m`` elements, :func:`probe.attention.key_bias_mask_elements`: ``512·n`` on a
+        full layer); else sdpa's math kernel keeps each layer's full attention and the ``[n, n]``
+        later-key mask (``2·H·n²·a + n²``, every layer; one at a time checkpointed), and its backward
+        the fp32 probabilities' gradient of one layer (``2·H·n²·4``)."""
         if not self.bias.requires_grad:
             return {}
         if flash_key_bias(alongside, shapes.device, shapes.plain_logits):
-            return {"key_bias": batch * (2 * seq_len**2 * shapes.act_bytes + seq_len**2)}
+            elements = max(key_bias_mask_elements(window, seq_len) for window in shapes.windows)
+            return {"key_bias": batch * elements * (2 * shapes.act_bytes + 1)}
         per_layer = 2 * shapes.heads * seq_len**2 * shapes.act_bytes + seq_len**2
         kept = 1 if checkpoint else shapes.layers
         return {"key_bias": batch * (kept * per_layer + 8 * shapes.heads * seq_len**2)}

@@ -10,7 +10,8 @@ from probe import attention, flash_key_bias
 from probe.attention import key_biased_mask
 from probe.capture import trace
 from probe.flash_key_bias import Excluded, key_biased_attention, unit_runs
-from probe.modifiers import bias_keys
+from probe.modifiers import KeyBias, bias_keys
+from probe.shapes import Shapes
 from probe.shared_state import frozen_parameters
 from probe.target import target_of
 
@@ -122,3 +123,30 @@ def test_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(tiny, prese
         assert fast_cache.keys() == slow_cache.keys()
         for name, captured in slow_cache.items():
             assert (fast_cache[name] - captured).abs().max() <= 1e-6, name
+
+
+@pytest.mark.parametrize("block", [512, 5, 1])  # 1: the sliding layers' bands are the largest
+def test_the_planned_key_bias_term_holds_the_masks_the_kernel_builds(tiny, block, monkeypatch):
+    """The largest mask a flash call of the key bias builds (the model's rows and the compensated
+    copy) is the one :meth:`probe.modifiers.KeyBias.memory` plans for: blocks of ``block`` rows on a
+    full layer, one window's band on a sliding one (Gemma 3: window 6 < 25 tokens)."""
+    monkeypatch.setattr(attention, "KEY_BIAS_BLOCK", block)
+    n = 25  # a multiple of every block's rows: the last block is whole
+    built = []
+    compensate = flash_key_bias._with_compensation
+
+    def recorded(mask, *args):
+        full = compensate(mask, *args)
+        built.extend(t.numel() for t in (mask, full) if t is not None)
+        return full
+
+    monkeypatch.setattr(flash_key_bias, "_with_compensation", recorded)
+    ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(1))
+    bias = torch.full((1, n), -0.7, requires_grad=True)  # log ½ on every key: the masked path
+    with bias_keys(tiny, bias), frozen_parameters(tiny):
+        torch.autograd.grad(target_of(tiny, ids, torch.tensor([n - 1])), bias)
+    shapes = Shapes.of(tiny)
+    planned = KeyBias(bias).memory(shapes, n, 1, False, [KeyBias(bias)])["key_bias"]
+    largest = max(attention.key_bias_mask_elements(window, n) for window in shapes.windows)
+    assert max(built) == largest
+    assert planned == largest * (2 * shapes.act_bytes + 1)
