@@ -24,13 +24,18 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-ATOMIC = Path(__file__).resolve().parents[2] / "probe" / "atomic.py"
-_spec = importlib.util.spec_from_file_location("longprobe_atomic", ATOMIC)
-_atomic = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_atomic)
-atomic_write = _atomic.atomic_write
-"""longprobe's :func:`probe.atomic.atomic_write`, loaded from its file: ``probe`` itself (torch, transformers
-of longprobe's versions) is not installed in a peer's environment, its standard-library-only writer is."""
+
+def _longprobe_module(name: str):
+    """The standard-library-only module ``probe/NAME.py`` of longprobe, loaded from its file: ``probe``
+    itself (torch, transformers of longprobe's versions) is not installed in a peer's environment."""
+    path = Path(__file__).resolve().parents[2] / "probe" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"longprobe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+atomic_write = _longprobe_module("atomic").atomic_write  # :func:`probe.atomic.atomic_write`
 
 
 def arguments(methods: list[str] | None = None) -> argparse.Namespace:
