@@ -68,18 +68,15 @@ def _run_child(
     model, tokenizer = load(model_name, device, dtype)
     ids = essay_ids(tokenizer, length)[0][None].to(device)
     targets = torch.arange(length - n_targets, length, device=device)
-    checkpoint = method != "plain"
-    sources = [
-        (start, start + SOURCE_TOKENS)
-        for start in range(0, length - n_targets - SOURCE_TOKENS, SOURCE_TOKENS)
-    ]
     predicted = prediction(model, method, length, n_targets)
 
     def run():
         if method == "key_bias":
+            starts = range(0, length - n_targets - SOURCE_TOKENS, SOURCE_TOKENS)
+            sources = [(start, start + SOURCE_TOKENS) for start in starts]
             key_removal_gradient(model, ids, targets, checkpoint=True, sources=sources, presence=0.5)
             return
-        with checkpointed(model, enabled=checkpoint):
+        with checkpointed(model, enabled=method == "checkpointed"):
             probe.information_flow(model, ids, targets)
 
     def warm_up():
