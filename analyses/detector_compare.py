@@ -96,6 +96,7 @@ from analyses.comparison import (
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import part_name, sweep
 from probe import detectors, faithfulness, metrics, tasks
+from probe.checks import model_context
 from probe.errors import InvalidValueError
 from probe.journal import Journal
 
@@ -456,7 +457,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         if saved.empty:
             raise SystemExit(f"--known {args.known} holds no saved passes: give a study that kept them")
     model, tokenizer = load(args)
-    context = model.config.get_text_config().max_position_embeddings
+    context = model_context(model)
     if args.length + (args.max_new_tokens or 0) > context:
         raise SystemExit(
             f"--length {args.length} (+ the answer) exceeds {args.model}'s context of {context} tokens"

@@ -86,7 +86,7 @@ from analyses.arguments import add_device_arguments, check_device_arguments, che
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, sweep
 from probe import answer, tasks
-from probe.checks import check_layers
+from probe.checks import check_layers, model_context
 from probe.denoise import answer_attention, category_mass
 from probe.objectives import cdt_loss, logo_loss, longce_target_loss, sequence_logprob
 
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     of an ``accelerate launch`` other than the main one)."""
     args = parse_args(argv)
     base, tokenizer = load(args)
-    context = base.config.get_text_config().max_position_embeddings
+    context = model_context(base)
     if args.length + 16 > context:  # the answer and a few percent of slack in the prompt length
         raise SystemExit(
             f"--length {args.length} (+ the answer) exceeds {args.model}'s context of {context} tokens"

@@ -45,6 +45,7 @@ from analyses.arguments import add_device_arguments, check_device_arguments, che
 from analyses.output import atomic_write, save_figure
 from analyses.sweep import Tables, is_main_process, sweep
 from probe import answer, tasks
+from probe.checks import model_context
 from probe.results import write_json
 
 NAME = "retrieval_heads"
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     scores, ablations = [], []
     for name in args.models:
         model, tokenizer = load(args, name)
-        context = model.config.get_text_config().max_position_embeddings
+        context = model_context(model)
         if max(args.lengths + [args.ablation_length]) > context:
             raise SystemExit(f"--lengths / --ablation-length exceed {name}'s context of {context} tokens")
         label = Path(name).name

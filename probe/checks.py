@@ -85,6 +85,12 @@ def n_layers(model) -> int:
     return hf_model(model).config.get_text_config().num_hidden_layers
 
 
+def model_context(model) -> int | None:
+    """The number of positions ``model`` was trained for (``max_position_embeddings`` of its text
+    model), or None where its config does not say."""
+    return getattr(hf_model(model).config.get_text_config(), "max_position_embeddings", None)
+
+
 def check_layers(model, layers: Sequence[int] | None) -> list[int]:
     """``layers`` (``None`` = all; negative indices allowed) as non-negative indices, range-checked."""
     total = n_layers(model)
@@ -106,7 +112,7 @@ def check_input_ids(model, input_ids: torch.Tensor | Sequence[int]) -> torch.Ten
         raise InvalidValueError(f"input_ids must have shape [seq] or [1, seq], got {tuple(ids.shape)}")
     if ids.shape[1] == 0:
         raise InvalidValueError("input_ids is empty")
-    context = getattr(hf_model(model).config.get_text_config(), "max_position_embeddings", None)
+    context = model_context(model)
     if context is not None and ids.shape[1] > context:
         raise InvalidValueError(
             f"sequence of {ids.shape[1]} tokens is longer than the model's context of {context} tokens; "

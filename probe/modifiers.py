@@ -28,7 +28,7 @@ from probe.attention import (
     modify,
     not_reached,
 )
-from probe.checks import check_int, check_integers, check_layers, hf_model
+from probe.checks import check_int, check_integers, check_layers, hf_model, model_context
 from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ def mask_keys(model, positions: Sequence[int] | torch.Tensor) -> Iterator[None]:
         hidden = torch.zeros(1, int(positions.max()) + 1 if positions.numel() else 0, dtype=torch.bool)
         hidden[0, positions] = True
     inner = hf_model(model)
-    context = getattr(inner.config.get_text_config(), "max_position_embeddings", None)
+    context = model_context(inner)
     if context is not None and hidden.shape[1] > context:
         raise OutOfRangeError(
             f"key positions up to {hidden.shape[1] - 1} exceed the model's context of {context}"

@@ -53,6 +53,21 @@ def test_key_token_builds_for_every_bundled_tokenizer(name, length):
     assert sample.options["K"] == length // 8 and sample.options["lsd"] == sample.options["lsd"]  # not NaN
 
 
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_key_token_at_the_models_full_context_stays_within_it(name):
+    """At ``length`` = the context, the window of candidates (±5 %) stops at the context: the key token
+    is at most its last position, and LSD never reads past it."""
+    tok = tokenizer(name)
+    model = probe.tiny_model("llama", vocab_size=len(tok), max_position_embeddings=512)
+    positions = [
+        int(tasks.make("key-token", tok, 512, seed, model=model, **ANY).target_positions[-1])
+        for seed in range(4)
+    ]
+    assert all(0.95 * 512 <= t < 512 for t in positions)
+    with pytest.raises(ValueError, match="longer than the model's context of 512 tokens"):
+        tasks.make("key-token", tok, 513, model=model, **ANY)
+
+
 def test_key_token_refuses_what_it_cannot_do():
     model, tok = tiny_for("smollm2-135m"), tokenizer("smollm2-135m")
     with pytest.raises(ValueError, match="model=model"):

@@ -14,6 +14,7 @@ import torch
 from reference import token_starts, tokens_starting_in
 from transformers import AutoTokenizer
 
+import probe
 from probe import tasks
 from probe.models import converted_folder
 from probe.tasks import words
@@ -35,9 +36,11 @@ def sample(task: str, name: str, seed: int = 0, depth=DEPTH, length: int = LENGT
 
 
 PLANTED = [task for task in tasks.names() if task != "key-token"]  # key-token: tests/test_key_token.py
-CASES = [(task, name, ()) for task in PLANTED for name in TOKENIZERS] + [
-    ("lines", name, (("lines", 5),)) for name in TOKENIZERS
-] + [("niah", "gemma3-270m", (("distractors", 3),)), ("passkey", "smollm2-135m", (("chat", False),))]
+CASES = (
+    [(task, name, ()) for task in PLANTED for name in TOKENIZERS]
+    + [("lines", name, (("lines", 5),)) for name in TOKENIZERS]
+    + [("niah", "gemma3-270m", (("distractors", 3),)), ("passkey", "smollm2-135m", (("chat", False),))]
+)
 
 
 @pytest.fixture(params=CASES, ids=lambda c: "-".join([c[0], c[1]] + [f"{k}={v}" for k, v in c[2]]))
@@ -238,9 +241,19 @@ def test_bad_input_raises_clear_errors():
 
 def test_names_lists_every_task():
     assert set(tasks.names()) == {
-        "multihop-1", "multihop-2", "multihop-3", "multihop-4",
-        "lines", "passkey", "niah", "multivalue-niah", "kv",
-        "document-1", "document-2", "document-3", "key-token",
+        "multihop-1",
+        "multihop-2",
+        "multihop-3",
+        "multihop-4",
+        "lines",
+        "passkey",
+        "niah",
+        "multivalue-niah",
+        "kv",
+        "document-1",
+        "document-2",
+        "document-3",
+        "key-token",
     }
 
 
@@ -254,6 +267,36 @@ def test_every_task_builds_for_every_bundled_tokenizer_from_512_to_4k(task, name
     for source in sample_.sources:
         chars = sample_.char_spans[source.category][source.index]
         assert tokens_starting_in(starts, chars) == list(range(source.start, source.end))
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_sample_at_the_models_full_context_keeps_its_answer_within_it(name):
+    """At ``length`` = the model's context, a prompt of about ``length`` tokens leaves the answer past
+    the context on many seeds: with ``model=`` the prompt comes out shorter, the whole sample fits, and a
+    sample that fitted already is unchanged."""
+    context, tok = 512, tokenizer(name)
+    model = probe.tiny_model("llama", vocab_size=len(tok), max_position_embeddings=context)
+    overflowed = 0
+    for task in tasks.HELD_OUT_TASKS:
+        if task == "key-token":  # scored by the model: tests/test_key_token.py
+            continue
+        for seed in range(4):
+            free, fitted = (
+                tasks.make(task, tok, context, seed),
+                tasks.make(task, tok, context, seed, model=model),
+            )
+            assert 0.85 * context <= len(fitted.input_ids) <= context, (task, seed)  # a unit shorter or so
+            assert fitted.length == context and fitted.target_positions[-1] < context
+            if len(free.input_ids) <= context:
+                assert fitted.input_ids.equal(free.input_ids) and fitted.text == free.text, (task, seed)
+            else:
+                overflowed += 1
+                assert fitted.answer == free.answer
+                assert fitted.span_text("supporting") == free.span_text("supporting")
+            assert fitted.input_ids.equal(tasks.make(task, tok, context, seed, model=model).input_ids)
+    assert overflowed  # the case this test is for occurred
+    with pytest.raises(ValueError, match="longer than the model's context of 512 tokens"):
+        tasks.make("kv", tok, context + 1, model=model)
 
 
 @pytest.mark.parametrize("hops", [1, 2, 3])

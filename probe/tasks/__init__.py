@@ -20,13 +20,14 @@ token; also ``K``, ``d``, ``alpha``, ``beta``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from probe.checks import check_int, check_tokenizer
+from probe.checks import check_int, check_tokenizer, model_context
 from probe.errors import InvalidValueError
 from probe.tasks.document import document
 from probe.tasks.haystack import Depth
@@ -76,9 +77,11 @@ def make(
 
     ``depth`` places the supporting items: a number in [0, 1] (fraction of the filler text before
     them; all supporting facts at that depth, in order), one number per supporting item, or ``None``
-    (uniform random, sorted). Deterministic in ``seed``. ``model``: for the tasks of
-    :data:`SCORED_BY_MODEL`, the model that scores the text (ignored by the others, so one call builds
-    any task). See the module docstring for ``options``.
+    (uniform random, sorted). Deterministic in ``seed``. ``model``: the model the sample is for. The
+    tasks of :data:`SCORED_BY_MODEL` score their text with it; every task keeps the whole sample,
+    prompt and answer, within its context (:func:`probe.checks.model_context`): at a ``length`` near
+    the context, the prompt comes out the few tokens shorter that the answer needs. See the module
+    docstring for ``options``.
     """
     if not isinstance(task, str) or task not in TASKS:
         raise InvalidValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
@@ -87,10 +90,24 @@ def make(
     check_int(seed, "seed", 0)
     check_tokenizer(tokenizer)
     depth = depth if depth is None or np.isscalar(depth) else tuple(depth)
+    context = None if model is None else model_context(model)
+    if context is not None and length > context:
+        raise InvalidValueError(
+            f"length {length} is longer than the model's context of {context} tokens; "
+            f"ask for at most {context}"
+        )
     settings = dict(task=task, length=int(length), seed=seed, depth=depth, options=options)
     if task in SCORED_BY_MODEL:
         options = {"model": model, **options}
-    return TASKS[task](tokenizer, settings, np.random.default_rng(seed), **options)
+
+    def built(target: int) -> Sample:
+        return TASKS[task](tokenizer, settings | {"length": target}, np.random.default_rng(seed), **options)
+
+    sample, target = built(int(length)), int(length)
+    while context is not None and len(sample.input_ids) > context:  # the answer runs past the context
+        target -= len(sample.input_ids) - context
+        sample = dataclasses.replace(built(target), length=int(length))  # made by these settings
+    return sample
 
 
 __all__ = ["CATEGORIES", "CONTEXT_CATEGORIES", "Prompt", "Sample", "Source", "TASKS", "Unit", "make", "names"]

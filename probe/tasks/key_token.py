@@ -17,6 +17,7 @@ d, α, β and the token's LSD and LCL.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from itertools import islice
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from probe.checks import model_context
 from probe.errors import InvalidValueError
 from probe.lsd import key_token_mask, lsd_scores
 from probe.tasks.noise import sentence_stream
@@ -62,7 +64,8 @@ def key_token(
         raise InvalidValueError("key-token is a plain continuation of essay text: it takes no chat template")
     if settings["depth"] is not None:
         raise InvalidValueError("key-token takes no depth: the key token is wherever the essay puts one")
-    lo, hi = max(K + 1, int(length * (1 - WINDOW))), int(length * (1 + WINDOW)) + 1
+    context = model_context(model) or math.inf  # the sample, up to the key token, fits the model
+    lo, hi = max(K + 1, int(length * (1 - WINDOW))), int(min(length * (1 + WINDOW) + 1, context))
     if lo >= hi:
         raise InvalidValueError(f"length {length} leaves no position beyond the short context K = {K}")
     positions = torch.arange(lo, hi)
@@ -71,6 +74,7 @@ def key_token(
     stream = sentence_stream(rng)
     for _ in range(ATTEMPTS):
         sentences, text, ids, offsets = _essay_window(tokenizer, stream, hi)
+        ids = ids[: min(len(ids), context)]  # LSD reads no further than the model can
         lsd, lcl = lsd_scores(model, ids, K=K, d=d, target_positions=positions.tolist())
         key = key_token_mask(lsd, lcl, alpha, beta)
         starts = np.cumsum([0] + [len(s) + 1 for s in sentences])  # each sentence's first character
