@@ -52,6 +52,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 import torch  # noqa: E402
 from adjustText import adjust_text  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -253,6 +254,9 @@ def plot(found: pd.DataFrame, title: str) -> plt.Figure:
                 ceiling, color="darkred", linestyle="--", linewidth=0.8, label="additive ceiling (ref.)"
             )
         ax.set(xscale="log", xlabel="cost: forward-pass equivalents a sample (log)", ylabel=label)
+        ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # readable under a decade too
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=8)
         labels = [
             ax.text(row.forwards, getattr(row, column), row.method, fontsize=7) for row in shown.itertuples()
