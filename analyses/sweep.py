@@ -26,6 +26,7 @@ import functools
 import json
 import warnings
 from collections.abc import Callable, Hashable, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import pandas as pd
@@ -37,6 +38,11 @@ from tqdm.auto import tqdm
 from probe.atomic import atomic_write
 
 Tables = dict[str, pd.DataFrame]
+
+PEER_WAIT = timedelta(days=7)
+"""How long a process that finished its jobs waits for the others at the gather. torch's default of
+30 minutes would end a sweep whose jobs differ by more (one 32K-token sample runs for hours on a CPU);
+a process that dies ends the launch anyway, so the wait need not be short."""
 
 
 def part_name(job: Sequence[Hashable]) -> str:
@@ -130,8 +136,10 @@ def process_state() -> PartialState:
     ``PartialState()`` would ignore the launcher there and leave every process alone, each running
     every job. A process that joined leaves the group when it exits: a gloo group left to the
     interpreter's shutdown can abort the process ("terminate called without an active exception").
+    The processes wait for each other up to :data:`PEER_WAIT`.
     """
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
+    state = PartialState(cpu=cpu, timeout=PEER_WAIT)
     if state.num_processes > 1:
         _leave_group_at_exit()
     return state

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from analyses import objectives
-from analyses.sweep import part_name, sweep
+from analyses.sweep import PEER_WAIT, part_name, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,3 +125,31 @@ def test_a_resume_with_other_settings_is_refused_naming_the_difference(tmp_path)
     assert again["rows"].job.tolist() == [1, 2]
     with pytest.raises(SystemExit, match=r"masks: 32 then, 16 now"):
         sweep([(1,), (2,)], run, tmp_path, resume=True, settings={"masks": 16, "ks": [1, 2]}, progress=False)
+
+
+WAITER = """
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from analyses.sweep import PEER_WAIT, process_state
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", type=Path)
+out = parser.parse_args().out
+process_state()
+backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+assert backend.options._timeout == PEER_WAIT, backend.options._timeout
+out.mkdir(exist_ok=True)
+(out / f"waits_{dist.get_rank()}").touch()
+"""
+
+
+def test_the_processes_of_a_sweep_wait_for_each_other_as_long_as_a_long_sample_takes(tmp_path):
+    """torch's default of 30 minutes at the gather would end a sweep whose jobs take hours."""
+    (tmp_path / "waiter.py").write_text(WAITER)
+    run_module("waiter", [], tmp_path / "two", processes=2, path=tmp_path)
+    assert sorted(path.name for path in (tmp_path / "two").iterdir()) == ["waits_0", "waits_1"]
+    assert timedelta(hours=12) <= PEER_WAIT
