@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probe import answer, detectors, faithfulness, metrics, stats, tasks
+from probe import answer, detectors, faithfulness, given_answer, metrics, stats, tasks
 
 # one forward+backward a sample
 SHARED_PASS = tuple(name for name in detectors.names() if detectors.shared_pass(name))
@@ -38,6 +38,10 @@ INTERVAL_METRICS = ("aopc_comprehensiveness", "aopc_sufficiency", "lds")
 LAYER_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
 RANKED = {"auroc": "plausibility", "aopc_comprehensiveness": "comprehensiveness", "lds": "LDS"}
 ANSWERS = {"correct": "answered correctly", "wrong": "answered wrongly", "all": "all answers"}
+#: What the detectors explain: the gold answer, or the model's own greedy answer, teacher-forced
+EXPLAINED = ("gold", "own")
+#: The columns of a sample's greedy answer, in every row (``explained``: which answer the row explains)
+ANSWER_COLUMNS = ("generated", "given", "correct", "exact_match", "f1", "explained")
 
 
 def layer_enrichment(per_layer: torch.Tensor, sample: tasks.Sample) -> pd.DataFrame:
@@ -78,7 +82,7 @@ def compare_samples(
     samples: list[tasks.Sample],
     names: list[str],
     top_k: int,
-    max_new_tokens: int | None,
+    answers: Sequence[dict],
     options: dict[str, dict] | None = None,
     source_reduce: str = "mean",
     n_masks: int = 32,
@@ -91,6 +95,9 @@ def compare_samples(
     saved: pd.DataFrame | None = None,
 ) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
     """Plausibility rows, per-layer rows and faithfulness rows of the detectors ``names`` on ``samples``.
+
+    ``samples`` are the samples as explained (their teacher-forced answer is what the detectors explain)
+    and ``answers`` each one's greedy answer (:func:`explained`), written into its rows.
 
     ``options[name]`` go to detector ``name``; the attention family of all ``samples`` comes from one
     batched pass (:func:`probe.detectors.detect_many`); faithfulness as :func:`judge_faithfulness`,
@@ -110,12 +117,8 @@ def compare_samples(
     found_all = detectors.detect_many(names, model, tokenizer, samples, options)
     for name, detection in found_all[0].items() if pages is not None else ():
         detection.save_html(pages.with_name(f"{pages.name}_{name}.html"))
-    for sample, found in zip(samples, found_all, strict=True):
-        about = {
-            "task": sample.task,
-            "seed": sample.seed,
-            **greedy_answer(model, tokenizer, sample, max_new_tokens),
-        }
+    for sample, found, greedy in zip(samples, found_all, answers, strict=True):
+        about = {"task": sample.task, "seed": sample.seed, **greedy}
         for name, detection in found.items():
             rows.append(
                 {
@@ -145,10 +148,35 @@ def compare_samples(
 
 
 def greedy_answer(model, tokenizer, sample: tasks.Sample, max_new_tokens: int | None) -> dict:
-    """The model's greedy answer to ``sample`` (:func:`probe.answer`, ``max_new_tokens`` None: the gold
-    answer's tokens + 4) and whether the task scores it right: ``{"generated": str, "correct": bool}``."""
+    """The model's greedy reply to ``sample`` (:func:`probe.answer`; ``max_new_tokens`` None: its default),
+    the answer it gives in it (:func:`probe.given_answer`) and how that answer scores against the gold
+    one: ``correct`` (the task's own check, :meth:`~probe.tasks.Sample.score`), ``exact_match`` and ``f1``
+    (SQuAD's normalization, :meth:`~probe.tasks.Sample.answer_match`)."""
     generated = answer(model, tokenizer, sample, max_new_tokens)
-    return {"generated": generated, "correct": bool(sample.score(generated))}
+    given = given_answer(sample, generated)
+    return {
+        "generated": generated,
+        "given": given,
+        "correct": bool(sample.score(given)),
+        **sample.answer_match(given),
+    }
+
+
+def explained(
+    model, tokenizer, sample: tasks.Sample, explain: str | None, max_new_tokens: int | None = None
+) -> tuple[tasks.Sample, dict]:
+    """The sample whose answer the detectors explain and its greedy answer (:func:`greedy_answer`).
+
+    ``explain``: ``"gold"`` (``sample`` as it is), ``"own"`` (the answer the model gives, teacher-forced:
+    :meth:`~probe.tasks.Sample.with_answer`) or None: ``"own"`` for a real question (``sample.scoring ==
+    "exact_match"``), else ``"gold"``. A model that gives no answer at all leaves the gold one explained;
+    the ``explained`` column says which answer each row explains."""
+    if explain is None:
+        explain = "own" if sample.scoring == "exact_match" else "gold"
+    greedy = greedy_answer(model, tokenizer, sample, max_new_tokens)
+    if explain == "own" and greedy["given"]:
+        return sample.with_answer(greedy["given"], tokenizer), greedy | {"explained": "own"}
+    return sample, greedy | {"explained": "gold"}
 
 
 def judge_faithfulness(
@@ -274,13 +302,27 @@ VERDICT_WORDS = {
 
 
 def verdicts_markdown(faithful: pd.DataFrame, intervals: pd.DataFrame, versus: str = "leave_one_out") -> str:
-    """Every scorer against ``versus`` over all samples, as GitHub markdown (the held-out protocol,
+    """Every scorer against ``versus``, over all samples, then over those answered correctly and wrongly
+    apart (a table each, where the group has samples), as GitHub markdown (the held-out protocol,
     ``figures/studies/heldout_protocol.md``): its LDS [95 % CI], the paired difference of each of
     :data:`VERDICT_WORDS`' metrics from ``versus``'s with its interval and word ("matches" where the
     interval covers 0), its LDS share of the additive ceiling, and the share of samples whose gold
     answer the top 8 sources alone keep (``correct_kept_k8``). ``intervals``:
     :func:`faithfulness_intervals`. Sorted by LDS; reference rows in italics."""
-    every = intervals[intervals.answer == "all"].set_index(["scorer", "metric", "versus"])
+    groups = _by_answer(faithful)
+    tables = []
+    for group in ("all", "correct", "wrong"):
+        rows = groups[groups.answer == group]
+        if not rows.empty:
+            n = rows.drop_duplicates(["task", "seed"]).shape[0]
+            table = _verdicts_table(rows, intervals[intervals.answer == group], versus)
+            tables.append(f"### {ANSWERS[group].capitalize()} ({n} sample{'s' * (n != 1)})\n\n{table}")
+    return "\n".join(tables)
+
+
+def _verdicts_table(faithful: pd.DataFrame, intervals: pd.DataFrame, versus: str) -> str:
+    """:func:`verdicts_markdown`'s table of one answer group (its rows and intervals)."""
+    every = intervals.set_index(["scorer", "metric", "versus"])
 
     def interval(scorer: str, metric: str, against: str = "") -> str:
         if (scorer, metric, against) not in every.index:

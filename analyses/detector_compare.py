@@ -80,15 +80,17 @@ from tqdm.auto import tqdm
 
 from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from analyses.comparison import (
+    ANSWER_COLUMNS,
     ANSWERS,
     DEFAULT_DETECTORS,
+    EXPLAINED,
     REFERENCES,
     answer_label,
     compare_samples,
     deletion_curves,
+    explained,
     faithfulness_intervals,
     faithfulness_summary,
-    greedy_answer,
     rank_table,
     ranks_markdown,
     verdicts_markdown,
@@ -102,6 +104,7 @@ from probe.journal import Journal
 
 NOT_SETTINGS = ("resume", "rejudge", "out", "device", "known")  # arguments that do not make another study
 LOO_RANKER = detectors.option_default("leave_one_out", "rank_by")
+NATURAL = 1024  # the length a natural-length study's length-based defaults (lsd's K) take
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
 SCORE_COLUMNS = {
     "auroc": "AUROC (supporting)",
@@ -231,7 +234,11 @@ def caption(args: argparse.Namespace, samples: int, with_loo: bool) -> str:
     rankers = " and of ".join(args.loo_rank_by or [LOO_RANKER])
     pruned = f"pruned: exact on the top {args.loo_top_m} of {rankers} a sample"
     loo = f"; leave_one_out {'exhaustive' if args.loo_top_m is None else pruned}" if with_loo else ""
-    about = f"{args.model}, {args.length} tokens, {samples} samples ({', '.join(args.tasks)})"
+    length = "natural length" if args.length is None else f"{args.length} tokens"
+    explains = {"own": "; explaining the model's own answers", "gold": "; explaining the gold answers"}
+    about = (
+        f"{args.model}, {length}, {samples} samples ({', '.join(args.tasks)}){explains.get(args.explain, '')}"
+    )
     return f"{about}{loo}; (ref.): a reference row"
 
 
@@ -260,7 +267,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--task-options", nargs="*", type=task_option, default=[], metavar="KEY=NUMBER",
         help="options of the tasks that take them, e.g. alpha=1.5 (key-token's LSD threshold)",
     )  # fmt: skip
-    parser.add_argument("--length", type=int, default=1024, help="prompt length in tokens")
+    parser.add_argument(
+        "--length", type=length_setting, default=1024,
+        help="prompt length in tokens, or 'natural' (a real question's own length: tasks with one only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--explain", choices=EXPLAINED, default=None,
+        help="the answer the detectors explain, teacher-forced: the gold one or the model's own greedy "
+        "answer (its correctness in every row); default: own for real questions (hotpotqa), gold elsewhere",
+    )  # fmt: skip
     parser.add_argument("--samples", type=int, default=SAMPLES, help=f"samples per task (default {SAMPLES})")
     parser.add_argument(
         "--detectors",
@@ -365,12 +380,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--max-new-tokens must be at least 1")
     if args.ceiling_masks < 0:
         parser.error("--ceiling-masks must be 0 (no ceiling) or a number of masks")
-    if args.length < 64:
+    if args.length is None and set(args.tasks) - set(tasks.NATURAL_LENGTH):
+        parser.error(
+            f"--length natural is for tasks with a natural length ({', '.join(tasks.NATURAL_LENGTH)})"
+        )
+    if args.length is not None and args.length < 64:
         parser.error("--length must be at least 64 tokens")
     if min(args.ks) < 1:
         parser.error("--ks must be positive numbers of sources")
-    if args.lsd_k is not None and not 1 <= args.lsd_k < args.length:
-        parser.error(f"--lsd-k must be between 1 and --length - 1 ({args.length - 1}), got {args.lsd_k}")
+    if args.lsd_k is not None and not 1 <= args.lsd_k < (args.length or NATURAL):
+        parser.error(f"--lsd-k must be between 1 and the length - 1, got {args.lsd_k}")
     if args.top_k < 1:
         parser.error("--top-k must be at least 1")
     if args.loo_rank_by and (args.loo_top_m is None or "leave_one_out" in args.loo_rank_by):
@@ -378,6 +397,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--loo-rank-by ranks for a pruned leave_one_out: give --loo-top-m a number (not 'all') and "
             "other detectors than leave_one_out"
         )
+    if args.rejudge and args.explain == "own":
+        parser.error("--rejudge answers again without changing what was explained: not with --explain own")
     if args.rejudge and args.resume:
         parser.error("--rejudge redraws a finished study, --resume continues an unfinished one: give one")
     if args.known is not None and args.rejudge:
@@ -388,6 +409,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         check_out(parser, args.out)
     check_device_arguments(parser, args)
     return args
+
+
+def length_setting(text: str) -> int | None:
+    """``--length``: a number of tokens, or ``natural`` (None: a real question's own length)."""
+    if text == "natural":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of tokens or 'natural', got {text!r}") from None
 
 
 def task_option(text: str) -> tuple[str, float]:
@@ -412,13 +443,27 @@ def study_folder(args: argparse.Namespace) -> Path:
     chosen = {
         key: value for key, value in vars(args).items() if key not in (*NOT_SETTINGS, "model", "length")
     }
-    for later in ("dtype", "loo_rank_by"):  # at its default, the folder keeps the name it had before
+    for later in (
+        "dtype",
+        "loo_rank_by",
+        "explain",
+    ):  # at its default, the folder keeps the name it had before
         if chosen[later] is None:
             del chosen[later]
     if all(value == defaults[key] for key, value in chosen.items()):
         return Path("figures")
     digest = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return Path("figures") / "studies" / f"detector_{Path(args.model).name}-{args.length}_{digest}"
+    return Path("figures") / "studies" / f"detector_{tag_of(args)}_{digest}"
+
+
+def tag_of(args: argparse.Namespace) -> str:
+    """The model and length that name a study's files: ``smollm2-135m-1024``, ``…-natural``."""
+    return f"{Path(args.model).name}-{length_of(args)}"
+
+
+def length_of(args: argparse.Namespace) -> int | str:
+    """The study's length as its files record it: a number of tokens, or ``"natural"``."""
+    return args.length or "natural"
 
 
 def detector_options(
@@ -435,7 +480,7 @@ def detector_options(
     ``rank_by`` (``loo_rank_by``; None: its default), the top-k sets' ``top_k``, and masks for
     ``context_cite`` and ``key_removal_banzhaf`` drawn from ``seed + 1``, so that they differ from the
     LDS masks (``seed``)."""
-    lsd_k = length // 4 if lsd_k is None else lsd_k
+    lsd_k = (length or NATURAL) // 4 if lsd_k is None else lsd_k
     options = {"lsd": {"K": lsd_k, "d": max(lsd_k // 2, 1)}}
     options["context_cite"] = options["key_removal_banzhaf"] = {"seed": seed + 1}
     options["leave_one_out"] = {"top_m": loo_top_m} | ({"rank_by": loo_rank_by} if loo_rank_by else {})
@@ -446,19 +491,19 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parse_args(argv)
     out = args.out or study_folder(args)
     names = args.detectors or DEFAULT_DETECTORS
-    tag = f"{Path(args.model).name}-{args.length}"
+    tag = tag_of(args)
     finished = finished_study(args, out, tag, names) if args.rejudge else None
     saved = None
     if args.known is not None:
         try:
-            saved = saved_passes(args.known, args.model, args.length, args.dtype or "")
+            saved = saved_passes(args.known, args.model, length_of(args), args.dtype or "")
         except InvalidValueError as error:
             raise SystemExit(f"--known: {error}") from None
         if saved.empty:
             raise SystemExit(f"--known {args.known} holds no saved passes: give a study that kept them")
     model, tokenizer = load(args)
     context = model_context(model)
-    if args.length + (args.max_new_tokens or 0) > context:
+    if (args.length or 0) + (args.max_new_tokens or 0) > context:
         raise SystemExit(
             f"--length {args.length} (+ the answer) exceeds {args.model}'s context of {context} tokens"
         )
@@ -498,19 +543,23 @@ def run_study(
         if not args.resume:  # a journal left by an earlier run may hold other settings' work
             journal.clear()
         with journal:
-            chunk = [
+            made = [
                 tasks.make(
                     task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options)
                 )
                 for task, seed in pairs
             ]
+            chunk, answers = zip(
+                *(explained(model, tokenizer, one, args.explain, args.max_new_tokens) for one in made),
+                strict=True,
+            )
             rows, layers, faithful = compare_samples(
                 model,
                 tokenizer,
-                chunk,
+                list(chunk),
                 names,
                 args.top_k,
-                args.max_new_tokens,
+                answers,
                 options,
                 source_reduce=args.source_reduce,
                 n_masks=args.masks,
@@ -558,7 +607,7 @@ def finished_study(args, out: Path, tag: str, names: list[str]) -> dict[str, pd.
     samples = {(task, args.seed + i) for task in args.tasks for i in range(args.samples)}
     recorded = {
         "model": (set(table.model), {args.model}),
-        "length": (set(table.length), {args.length}),
+        "length": (set(table.length), {length_of(args)}),
         "samples (task, seed)": (set(zip(table.task, table.seed, strict=True)), samples),
         "detectors": (set(table.detector), set(names)),
     }
@@ -573,18 +622,19 @@ def finished_study(args, out: Path, tag: str, names: list[str]) -> dict[str, pd.
 
 def rejudged(found: dict[str, pd.DataFrame], args, model, tokenizer) -> dict[str, pd.DataFrame]:
     """``found`` with each sample's ``generated`` and ``correct`` columns from a new greedy answer under
-    ``args.max_new_tokens`` (:func:`analyses.comparison.greedy_answer`); nothing else changes."""
+    ``args.max_new_tokens`` (:func:`analyses.comparison.explained`; the columns of
+    :data:`~analyses.comparison.ANSWER_COLUMNS`); nothing else changes."""
     answers = {}
     samples = found["metrics"][["task", "seed"]].drop_duplicates().itertuples(index=False)
     for task, seed in tqdm(list(samples), desc=f"detector_compare {args.model} (greedy answers)"):
         sample = tasks.make(
             task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options)
         )
-        answers[task, seed] = greedy_answer(model, tokenizer, sample, args.max_new_tokens)
+        answers[task, seed] = explained(model, tokenizer, sample, "gold", args.max_new_tokens)[1]
     tables = {}
     for name, frame in found.items():
         keys = list(zip(frame.task, frame.seed, strict=True))
-        columns = {column: [answers[key][column] for key in keys] for column in ("generated", "correct")}
+        columns = {column: [answers[key][column] for key in keys] for column in ANSWER_COLUMNS}
         tables[name] = frame.assign(**columns)
     return tables
 
@@ -641,7 +691,7 @@ def write_outputs(
     found: dict[str, pd.DataFrame], args, out: Path, tag: str, names: list[str]
 ) -> pd.DataFrame:
     """Every table and figure of the study from its tables ``found``; its metrics table."""
-    settings = {"model": args.model, "length": args.length}
+    settings = {"model": args.model, "length": length_of(args)}
     table = found["metrics"].assign(**settings)
     faithful = found["faithfulness"].assign(**settings)
     layers = [found["layers"]] if "layers" in found and not found["layers"].empty else []

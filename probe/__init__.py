@@ -14,7 +14,7 @@ from probe.checkpointing import checkpointed
 from probe.denoise import noise_restraint
 from probe.detectors import Detection, attribute, detect
 from probe.errors import LongprobeError, UnsupportedModelError
-from probe.generation import answer
+from probe.generation import answer, given_answer
 from probe.graph import context_selector
 from probe.lsd import longppl, pool_longppl, token_lsd
 from probe.models import load_model, tiny_model, to_bridge
@@ -40,6 +40,7 @@ __all__ = [
     "ablate_heads",
     "answer",
     "answer_attribution",
+    "given_answer",
     "attention_window",
     "attention_matrices",
     "attention_rows",

@@ -117,9 +117,11 @@ def test_verdicts_pair_each_scorer_with_leave_one_out_in_the_protocols_words(run
     intervals = pd.read_csv(out / f"detector_{tag}_intervals.csv")
     paired = intervals[(intervals.answer == "all") & (intervals.versus == "leave_one_out")]
     paired = paired[paired.metric == "lds"].set_index("scorer")
+    every = (out / f"detector_{tag}_verdicts.md").read_text().split("### ")[1]  # all answers, first
+    assert every.startswith("All answers (2 samples)")
     rows = {
         cells[0].strip("`*"): cells
-        for line in (out / f"detector_{tag}_verdicts.md").read_text().splitlines()[2:]
+        for line in every.strip().splitlines()[4:]
         for cells in [[cell.strip() for cell in line.strip("|").split("|")]]
     }
     assert set(rows) == {*names, "ground_truth", "random_sources"}
@@ -373,8 +375,40 @@ def test_the_answer_judged_correct_or_wrong_is_never_cut_short(tiny_model_folder
         model, "generate", lambda *a, **k: asked.append(k["max_new_tokens"]) or generate(*a, **k)
     )
     default = detector_compare.parse_args([]).max_new_tokens
-    comparison.compare_samples(model, tokenizer, [sample], ["random"], 4, default, n_masks=4, ks=(1,))
+    comparison.explained(model, tokenizer, sample, None, default)
     assert asked == [len(sample.target_positions) + 4] and asked[0] > 8
+
+
+def test_own_answers_are_explained_teacher_forced_with_their_correctness_beside_them(
+    tiny_model_folder, tmp_path
+):
+    """``--explain own``: every row explains the model's own greedy answer (its tokens are the sample's
+    target, so the full-context log-probability is that answer's) and records it, with ``correct``,
+    ``exact_match`` and ``f1`` against the gold answer; the verdicts have a table per answer group."""
+    argv = [*run_argv(tiny_model_folder), "--tasks", "kv", "--detectors", "random", "leave_one_out"]
+    detector_compare.main([*argv, "--explain", "own", "--out", str(tmp_path)])
+    model, tokenizer = probe.load_model(str(tiny_model_folder))
+    tag = f"{tiny_model_folder.name}-192"
+    metrics = pd.read_csv(tmp_path / f"detector_{tag}_metrics.csv", keep_default_na=False)
+    faithful = pd.read_csv(tmp_path / f"detector_{tag}_faithfulness.csv", keep_default_na=False)
+    row = metrics.iloc[0]
+    gold = tasks.make("kv", tokenizer, 192, 0, model=model)
+    reply = probe.answer(model, tokenizer, gold)
+    given = probe.given_answer(gold, reply)
+    assert (row.generated, row.given, row.explained) == (reply, given, "own")
+    assert row.correct == bool(gold.score(given)) and row.exact_match == gold.answer_match(given)["exact_match"]
+    own = gold.with_answer(given, tokenizer)
+
+    def logprob(sample: tasks.Sample) -> float:  # the obvious way: one forward, full log-softmax
+        with torch.no_grad():
+            logits = model(sample.input_ids[None]).logits[0].log_softmax(-1)
+        positions = sample.target_positions
+        return logits[positions - 1, sample.input_ids[positions]].sum().item()
+
+    assert faithful.full_logprob.iloc[0] == pytest.approx(logprob(own), abs=1e-3)
+    assert faithful.full_logprob.iloc[0] != pytest.approx(logprob(gold), abs=1e-2)
+    verdicts = (tmp_path / f"detector_{tag}_verdicts.md").read_text()
+    assert "### All answers (1 sample)" in verdicts and ("### Answered wrongly" in verdicts) != bool(row.correct)
 
 
 def rejudge_argv(folder: Path, out: Path) -> list[str]:
@@ -398,13 +432,14 @@ def test_a_rejudge_changes_only_the_greedy_answers_and_redraws_the_rest(run, tin
     for name in ("metrics", "faithfulness", "layers"):
         before = pd.read_csv(out / f"detector_{tag}_{name}.csv", keep_default_na=False)
         after = pd.read_csv(tmp_path / f"detector_{tag}_{name}.csv", keep_default_na=False)
-        pd.testing.assert_frame_equal(
-            after.drop(columns=["generated", "correct"]), before.drop(columns=["generated", "correct"])
-        )
+        answered = list(comparison.ANSWER_COLUMNS)
+        pd.testing.assert_frame_equal(after.drop(columns=answered), before.drop(columns=answered))
         for (task, seed), rows in after.groupby(["task", "seed"]):
             sample = tasks.make(task, tokenizer, 192, seed, model=model)
             generated = probe.answer(model, tokenizer, sample, 1)
-            assert set(rows.generated) == {generated} and set(rows.correct) == {bool(sample.score(generated))}
+            given = probe.given_answer(sample, generated)
+            assert set(rows.generated) == {generated} and set(rows.correct) == {bool(sample.score(given))}
+            assert set(rows.given) == {given} and set(rows.explained) == {"gold"}
 
 
 def test_a_rejudge_of_another_study_is_refused_before_any_model_work(
