@@ -125,6 +125,7 @@ def compare_samples(
                     "detector": name,
                     **about,
                     **metrics.plausibility(detection, sample, top_k),
+                    **metrics.source_plausibility(detection.source_scores(sample, source_reduce), sample),
                     **_diagnostics(detection),
                     "seconds": detection.seconds,
                     "passes": detection.details.get("passes", int(name in ONE_PASS)),

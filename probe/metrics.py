@@ -9,10 +9,12 @@ is ``other``.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from sklearn.metrics import precision_score, recall_score, roc_auc_score
 
-from probe.checks import check_int
+from probe.checks import check_int, check_sample
 from probe.detectors import Detection, check_detection_of, top_k_mask
+from probe.errors import InvalidTypeError, InvalidValueError
 from probe.tasks import Sample
 
 SHARE_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
@@ -58,4 +60,33 @@ def plausibility(detection: Detection, sample: Sample, top_k: int = 30) -> dict[
     record["fact_hit_rate"] = (
         float(np.mean([sets["top_k"][start:end].any() for start, end in facts])) if facts else float("nan")
     )
+    return record
+
+
+def source_plausibility(scores, sample: Sample, ks: tuple[int, ...] = (2, 4)) -> dict[str, float]:
+    """Plausibility at the level of sources (sentences, facts) against the sample's supporting ones, the
+    comparison of a detector with gold supporting sentences (HotpotQA's, Yang et al. 2018):
+
+    - ``source_auroc``: source scores ranking supporting sources above the others (NaN if one class is empty);
+    - ``recall_top{k}_sources``: share of the supporting sources among the ``k`` highest-scored ones (ties:
+      the earlier source first), for each k of ``ks`` (NaN without supporting sources).
+
+    ``scores``: one score per source, in ``sample.sources`` order (:meth:`Detection.source_scores`).
+    """
+    check_sample(sample)
+    sources = sample.sources
+    try:
+        values = torch.as_tensor(scores, dtype=torch.float64).cpu().numpy().reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidTypeError(f"scores must be numbers, one per source, got {scores!r:.60}") from None
+    if len(values) != len(sources):
+        raise InvalidValueError(f"scores has {len(values)} entries for the sample's {len(sources)} sources")
+    truth = np.array([source.category == "supporting" for source in sources])
+    record = {"source_auroc": float(roc_auc_score(truth, values)) if 0 < truth.sum() < len(truth) else np.nan}
+    order = np.argsort(-values, kind="stable")
+    for k in ks:
+        check_int(k, "k", minimum=1)
+        record[f"recall_top{k}_sources"] = (
+            float(truth[order[:k]].sum() / truth.sum()) if truth.any() else np.nan
+        )
     return record

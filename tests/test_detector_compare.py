@@ -396,7 +396,9 @@ def test_own_answers_are_explained_teacher_forced_with_their_correctness_beside_
     reply = probe.answer(model, tokenizer, gold)
     given = probe.given_answer(gold, reply)
     assert (row.generated, row.given, row.explained) == (reply, given, "own")
-    assert row.correct == bool(gold.score(given)) and row.exact_match == gold.answer_match(given)["exact_match"]
+    assert (
+        row.correct == bool(gold.score(given)) and row.exact_match == gold.answer_match(given)["exact_match"]
+    )
     own = gold.with_answer(given, tokenizer)
 
     def logprob(sample: tasks.Sample) -> float:  # the obvious way: one forward, full log-softmax
@@ -408,7 +410,9 @@ def test_own_answers_are_explained_teacher_forced_with_their_correctness_beside_
     assert faithful.full_logprob.iloc[0] == pytest.approx(logprob(own), abs=1e-3)
     assert faithful.full_logprob.iloc[0] != pytest.approx(logprob(gold), abs=1e-2)
     verdicts = (tmp_path / f"detector_{tag}_verdicts.md").read_text()
-    assert "### All answers (1 sample)" in verdicts and ("### Answered wrongly" in verdicts) != bool(row.correct)
+    assert "### All answers (1 sample)" in verdicts and ("### Answered wrongly" in verdicts) != bool(
+        row.correct
+    )
 
 
 def rejudge_argv(folder: Path, out: Path) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import numpy as np
 import pytest
 from reference import token_starts, tokens_starting_in
 from transformers import AutoTokenizer
@@ -141,3 +142,24 @@ def test_with_answer_teacher_forces_another_answer_after_the_same_prompt(name):
         assert gold.text.endswith(gold.answer) and own.text == gold.text[: -len(gold.answer)] + own.answer
         with pytest.raises(InvalidValueError, match="non-empty text"):
             gold.with_answer("  ", tok)
+
+
+def test_source_plausibility_is_the_brute_force_count_of_gold_sentences_in_the_top_k():
+    from itertools import product
+
+    from probe import metrics
+
+    sample = tasks.make("hotpotqa", tokenizer("smollm2-135m"), None, 3)
+    gold = [i for i, source in enumerate(sample.sources) if source.category == "supporting"]
+    n = len(sample.sources)
+    rng = np.random.default_rng(0)
+    for scores in (rng.normal(size=n), [float(i in gold) for i in range(n)], [0.0] * n):
+        found = metrics.source_plausibility(scores, sample)
+        for k in (2, 4):
+            ranked = sorted(range(n), key=lambda i: (-scores[i], i))[:k]  # ties: the earlier source
+            assert found[f"recall_top{k}_sources"] == sum(i in gold for i in ranked) / len(gold)
+        pairs = list(product(gold, [i for i in range(n) if i not in gold]))
+        wins = sum((scores[g] > scores[o]) + 0.5 * (scores[g] == scores[o]) for g, o in pairs)
+        assert found["source_auroc"] == pytest.approx(wins / len(pairs))
+    with pytest.raises(InvalidValueError, match="sources"):
+        metrics.source_plausibility([1.0, 2.0], sample)
