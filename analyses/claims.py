@@ -198,9 +198,12 @@ def loo_reference(metrics: pd.DataFrame, faithful: pd.DataFrame) -> str:
 
 def faithfulness_rows(figures: Path) -> pd.DataFrame:
     """The faithfulness rows of one detector-comparison study per model, length and task set: the one
-    with the most samples, then the most scorers (its own protocol, not mixed with another study's)."""
+    with the most samples, then the most scorers (its own protocol, not mixed with another study's).
+    Studies at a length in tokens only: a natural-length study (real questions) has its own report."""
     chosen: dict[tuple, tuple[tuple[int, int], pd.DataFrame]] = {}
     for study in faithfulness_studies(figures):
+        lengths = pd.to_numeric(study.length, errors="coerce")
+        study = study[lengths.notna()].assign(length=lengths.dropna().astype(int))
         for key, rows in study.groupby(["model", "length", "tasks"]):
             size = (len(rows[["task", "seed"]].drop_duplicates()), rows.scorer.nunique())
             if key not in chosen or size > chosen[key][0]:

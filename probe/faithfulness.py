@@ -30,10 +30,9 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 import torch
-from scipy.stats import spearmanr
 
 from probe import journal
-from probe.checks import cache_keyword, check_input_ids, check_int, check_number, check_sample_fits, hf_model
+from probe.checks import cache_keyword, check_input_ids, check_sample_fits, hf_model
 from probe.compaction import (
     check_before_answer,
     compacted_pass,
@@ -43,12 +42,17 @@ from probe.compaction import (
 )
 from probe.errors import InvalidValueError
 from probe.journal import mask_bits
-from probe.target import Target, target_value
+from probe.masks import (
+    KS,
+    additive_ceiling,
+    additive_ceiling_masks,
+    lds,
+    random_masks,
+    top_k_masks,
+)
+from probe.target import CHECKED, Target, target_value, vocabulary_size
 from probe.tasks import Sample, Source
 
-KS = (1, 2, 4, 8)
-MAX_MASKS = 2**20  # a million forward passes: beyond any study, and the masks alone would fill memory
-CEILING_SEED = 7919  # the additive ceiling's masks: seed + this, apart from the LDS masks' seed
 REDUCTIONS = ("sum", "mean", "max")
 
 
@@ -202,6 +206,8 @@ def answer_scores(
     ids = check_input_ids(inner, sample.input_ids)
     targets = sample.target_positions.to(ids.device)
     rows, gold = targets - 1, ids[0, targets]
+    if isinstance(target, CHECKED):  # before any model work
+        target.check(gold.cpu(), vocabulary_size(inner))
     hidden = torch.zeros(len(removed), ids.shape[1], dtype=torch.bool)
     for index, mask in enumerate(removed):
         hidden[index, removed_positions(sources, mask)] = True
@@ -260,49 +266,6 @@ def leave_one_out_drops(
     return removal_drops(model, sample, single_removals(chosen, len(sample.sources)), **how)
 
 
-def top_k_masks(scores: torch.Tensor, ks: Sequence[int] = KS) -> torch.Tensor:
-    """BoolTensor[len(ks), sources]: the k highest-scoring sources for each k (ties by position)."""
-    order = torch.argsort(-scores.float(), stable=True)
-    masks = torch.zeros(len(ks), len(scores), dtype=torch.bool)
-    for row, k in enumerate(ks):
-        masks[row, order[: min(k, len(scores))]] = True
-    return masks
-
-
-def random_masks(n_sources: int, n_masks: int, keep: float = 0.5, seed: int = 0) -> torch.Tensor:
-    """BoolTensor[n_masks, n_sources] of *kept* sources, each kept with probability ``keep`` (seeded).
-    At most :data:`MAX_MASKS` masks (each is a forward pass)."""
-    check_int(n_masks, "n_masks", 1, MAX_MASKS)
-    check_number(keep, "keep", 0, 1)
-    generator = torch.Generator().manual_seed(seed)
-    return torch.rand(n_masks, n_sources, generator=generator) < keep
-
-
-def additive_ceiling_masks(
-    kept_lds: torch.Tensor, count: int, keep: float = 0.5, seed: int = 0
-) -> torch.Tensor:
-    """BoolTensor[≤ count, sources] of kept sources the additive ceiling is fit on: ``count`` random
-    masks seeded apart from the LDS masks (``seed`` + :data:`CEILING_SEED`), less any that is one of
-    ``kept_lds`` (BoolTensor[masks, sources], the LDS masks), so the ceiling is never scored on a mask
-    it was fit on. ``count`` 0: none (a study run without the ceiling)."""
-    if count == 0:
-        return kept_lds[:0]
-    fit = random_masks(kept_lds.shape[1], count, keep, seed + CEILING_SEED)
-    return fit[~(fit[:, None] == kept_lds[None]).all(-1).any(-1)]
-
-
-def lds(scores: torch.Tensor, kept: torch.Tensor, actual: torch.Tensor) -> float:
-    """Linear datamodeling score: Spearman ρ between Σ_{kept} scores and the actual values over masks.
-
-    ``scores`` Tensor[sources], ``kept`` BoolTensor[masks, sources], ``actual`` Tensor[masks].
-    NaN when either side is constant.
-    """
-    predicted = kept.double() @ scores.double()
-    if predicted.unique().numel() < 2 or actual.unique().numel() < 2:
-        return float("nan")
-    return float(spearmanr(predicted.numpy(), actual.double().numpy()).statistic)
-
-
 def _known_or_run(
     removed: torch.Tensor,
     known: Sequence[Ablations],
@@ -329,18 +292,6 @@ def _known_or_run(
         found |= {keys[i]: pair for i, pair in zip(todo, zip(*ran, strict=True), strict=True)}
     logprob, correct = zip(*(found[key] for key in keys), strict=True)
     return AnswerScores(torch.stack(logprob).float(), torch.stack(correct))
-
-
-def additive_ceiling(kept: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
-    """Tensor[sources]: the weights of the best additive surrogate of the ablations, ``actual``
-    Tensor[masks] ≈ ``kept`` BoolTensor[masks, sources] @ w + b, by ridge regression with the penalty
-    chosen by leave-one-out cross-validation (scikit-learn's ``RidgeCV``). Scored on other masks, its
-    LDS is what no additive attribution can clearly beat on the sample (ContextCite's surrogate,
-    Cohen-Wang et al. 2024, fit on many masks instead of a few)."""
-    from sklearn.linear_model import RidgeCV
-
-    fit = RidgeCV(alphas=np.logspace(-4, 2, 13)).fit(kept.double().numpy(), actual.double().numpy())
-    return torch.from_numpy(fit.coef_).float()
 
 
 def ground_truth_scores(sample: Sample) -> torch.Tensor:
@@ -405,6 +356,12 @@ def evaluate(
             f"record must be a list (the passes run are appended to it), got {type(record).__name__}"
         )
     kept_random = random_masks(n_sources, n_masks, keep, seed)
+    fit = additive_ceiling_masks(kept_random, ceiling_masks, keep, seed)
+    if ceiling_masks and len(fit) < 2:
+        raise InvalidValueError(
+            f"the additive ceiling is a fit on several masks: ceiling_masks={ceiling_masks} leaves "
+            f"{len(fit)} mask(s) apart from the LDS masks; give 0 (no ceiling) or more (the studies use 256)"
+        )
     compact = compaction_supported(model) if compact is None else compact
     run = functools.partial(
         answer_scores,
@@ -416,7 +373,6 @@ def evaluate(
         target=target,
     )
     if ceiling_masks:
-        fit = additive_ceiling_masks(kept_random, ceiling_masks, keep, seed)
         ceiling = additive_ceiling(fit, _known_or_run(~fit, known, run, record).logprob)
         scores = {**scores, "additive_ceiling": ceiling}
     masks = {"full": torch.zeros(1, n_sources, dtype=torch.bool), "random": ~kept_random}

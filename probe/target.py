@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from probe.checks import hf_model
-from probe.errors import InvalidTypeError, InvalidValueError
+from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError
 
 Target = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -43,12 +43,29 @@ class Contrast:
 
     foil: torch.Tensor
 
-    def __call__(self, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
-        return answer_logprob(logits, answer) - answer_logprob(logits, self.check(answer).to(answer.device))
+    def __post_init__(self):
+        ids = _token_ids(self.foil)
+        if ids is None:
+            raise InvalidTypeError(
+                f"a Contrast's foil is token ids, got {self.foil!r:.60}: tokenize the foil as the answer is "
+                "tokenized, e.g. tokenizer(' Paris', add_special_tokens=False).input_ids"
+            )
+        if (ids < 0).any():
+            raise InvalidValueError(f"a Contrast's foil holds negative token ids: {ids.tolist()}")
 
-    def check(self, answer: torch.Tensor) -> torch.Tensor:
-        """The foil as LongTensor[k], refused unless it is another answer of the answer's length."""
+    def __call__(self, logits: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        foil = self.check(answer, logits.shape[-1])
+        return answer_logprob(logits, answer) - answer_logprob(logits, foil.to(answer.device))
+
+    def check(self, answer: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+        """The foil as LongTensor[k], refused unless it is another answer of the answer's length, in the
+        model's vocabulary of ``vocab_size`` tokens where given."""
         foil = torch.as_tensor(self.foil, dtype=torch.long).reshape(-1)
+        if vocab_size is not None and int(foil.max()) >= vocab_size:
+            raise OutOfRangeError(
+                f"the foil's token id {int(foil.max())} is outside the model's vocabulary of {vocab_size} "
+                "tokens: tokenize the foil with the model's own tokenizer"
+            )
         if foil.shape != answer.shape:
             raise InvalidValueError(
                 f"the foil has {foil.numel()} tokens, the answer {answer.numel()}: a contrast compares "
@@ -83,7 +100,7 @@ class AnswerToken:
         t = self.check(answer)
         return logits[t].log_softmax(-1)[answer[t].to(logits.device)]
 
-    def check(self, answer: torch.Tensor) -> int:
+    def check(self, answer: torch.Tensor, vocab_size: int | None = None) -> int:
         """The index as a row of ``answer`` LongTensor[k], refused unless the answer has that token."""
         k = answer.numel()
         if not -k <= self.index < k:
@@ -94,6 +111,27 @@ class AnswerToken:
 
 
 CHECKED = (Contrast, AnswerToken)  # compared by value, checked against each answer before any model work
+
+
+def _token_ids(value) -> torch.Tensor | None:
+    """``value`` as a 1-D LongTensor of token ids, or None where it is not non-empty integer ids (text,
+    floats, booleans, nested lists)."""
+    if isinstance(value, (str, bytes)):
+        return None
+    try:
+        ids = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if ids.dtype in (torch.bool,) or ids.is_floating_point() or ids.is_complex() or ids.numel() == 0:
+        return None
+    return ids.reshape(-1).long() if ids.ndim <= 1 else None
+
+
+def vocabulary_size(model) -> int | None:
+    """The number of tokens ``model``'s output layer scores (None for no model: a model-free detector)."""
+    if model is None:
+        return None
+    return hf_model(model).get_output_embeddings().weight.shape[0]
 
 
 def resolve(target: Target | None) -> Target:

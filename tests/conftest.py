@@ -95,6 +95,14 @@ class PassCounter:
 
 
 @pytest.fixture
+def sandbox():
+    """The detector registry as it was, back after the test (:func:`probe.detectors.sandbox`): a test
+    may register detectors or replace one (:func:`probe.detectors.replace`)."""
+    with probe.detectors.sandbox():
+        yield
+
+
+@pytest.fixture
 def passes(monkeypatch) -> PassCounter:
     """A :class:`PassCounter` of this test's masked passes."""
     return PassCounter(monkeypatch)

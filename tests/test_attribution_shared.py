@@ -127,12 +127,10 @@ def test_detect_many_reads_the_embedding_gradient_off_one_pass_and_refuses_bad_n
         detectors.detect_many(["attention"], model, tokenizer, sample, {"attention": {"p": 3}})
 
 
-def test_a_new_shared_pass_detector_is_one_decorated_reader(story, tokenizer, monkeypatch):
+def test_a_new_shared_pass_detector_is_one_decorated_reader(story, tokenizer, sandbox):
     """``@register(name, shared_pass=...)`` on a reader of the attribution is the whole detector: alone it
     runs its pass (forward only when it reads no gradient), in detect_many it shares the pass, and its
     options, the pass's ``target`` and ``checkpoint`` included, are checked like any detector's."""
-    monkeypatch.setattr(detectors.registry, "_REGISTRY", dict(detectors.registry._REGISTRY))
-    monkeypatch.setattr(detectors.registry, "_SHARED", dict(detectors.registry._SHARED))
     model, sample = story
 
     @detectors.register("last_layer_grad", shared_pass=detectors.SharedPass(layers="all"))

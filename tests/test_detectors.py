@@ -273,9 +273,8 @@ def test_detection_load_reads_files_written_with_the_name_first(tmp_path):
     assert loaded.details["per_head"].shape == (1, 1, 2)
 
 
-def test_the_registry_names_each_detection(monkeypatch):
+def test_the_registry_names_each_detection(sandbox):
     """A detector never writes its name: register(name) stamps it on the result, also on a direct call."""
-    monkeypatch.setattr(detectors.registry, "_REGISTRY", dict(detectors.registry._REGISTRY))
     sample = hand_sample()
 
     @detectors.register("hand_made")

@@ -171,3 +171,36 @@ def test_a_missing_cache_entry_and_a_zero_block_size_say_what_to_do(tiny):
     with pytest.raises(ValueError, match="block_size must be at least 1, got 0"):
         with probe.trace(tiny, block_size=0):
             pass
+
+
+def test_a_foil_as_text_or_outside_the_vocabulary_and_a_one_mask_ceiling_are_refused_before_model_work(tiny):
+    """Three inputs that once ended in another library's error: a Contrast foil given as text (torch's
+    "new(): invalid data type 'str'"), a foil of token ids beyond the model's vocabulary (torch's index
+    error, after the forward pass) and ``ceiling_masks=1`` (scikit-learn's "not enough values to
+    unpack"). Each raises longprobe's own error, before any forward pass."""
+    from test_detectors import hand_sample
+
+    from probe import faithfulness
+    from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError
+    from probe.target import Contrast
+
+    for foil in (" Paris", b"Paris", [1.5, 2.0], [True], [], [[1, 2], [3, 4]]):
+        with pytest.raises(InvalidTypeError, match="foil is token ids"):
+            Contrast(foil)
+    with pytest.raises(InvalidValueError, match="negative token ids"):
+        Contrast([-1, 2])
+    sample = hand_sample()
+    k = len(sample.target_positions)
+    vocab = tiny.get_output_embeddings().weight.shape[0]
+    beyond = Contrast([vocab + 5] * k)
+
+    def forward(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    tiny.forward = forward
+    with pytest.raises(OutOfRangeError, match=f"outside the model's vocabulary of {vocab} tokens"):
+        probe.detect("embedding_grad", tiny, None, sample, target=beyond)
+    with pytest.raises(OutOfRangeError, match="outside the model's vocabulary"):
+        faithfulness.evaluate(tiny, sample, {"flat": torch.ones(len(sample.sources))}, target=beyond)
+    with pytest.raises(InvalidValueError, match="ceiling_masks=1 leaves"):
+        faithfulness.evaluate(tiny, sample, {"flat": torch.ones(len(sample.sources))}, ceiling_masks=1)

@@ -23,7 +23,7 @@ from test_retrieval import copying_model
 from transformers import AutoTokenizer
 
 import probe
-from probe import compaction, detectors, faithfulness, journal, tasks
+from probe import compaction, detectors, faithfulness, journal, masks, tasks
 from probe.modifiers import original_positions
 from probe.retrieval import needle_answer_positions
 
@@ -217,7 +217,7 @@ def test_the_additive_ceiling_recovers_an_additive_model_exactly():
 def test_the_ceilings_masks_are_its_own_draw_less_every_lds_mask():
     """With 3 sources the 8 possible masks repeat, so the draw meets the LDS masks and drops them."""
     lds_masks = faithfulness.random_masks(3, 4, seed=2)
-    draw = faithfulness.random_masks(3, 40, seed=2 + faithfulness.CEILING_SEED)
+    draw = faithfulness.random_masks(3, 40, seed=2 + masks.CEILING_SEED)
     lds_rows = {tuple(mask.tolist()) for mask in lds_masks}
     expected = [mask.tolist() for mask in draw if tuple(mask.tolist()) not in lds_rows]
     fit = faithfulness.additive_ceiling_masks(lds_masks, 40, seed=2)
@@ -233,7 +233,7 @@ def test_evaluate_fits_the_ceiling_on_its_own_masks_and_shares_are_of_its_lds(mo
     frame = faithfulness.evaluate(model, sample, scorers, ks=(1,), n_masks=8, seed=4, ceiling_masks=40)
     n = len(sample.sources)
     lds_masks = faithfulness.random_masks(n, 8, seed=4)
-    fit = faithfulness.random_masks(n, 40, seed=4 + faithfulness.CEILING_SEED)
+    fit = faithfulness.random_masks(n, 40, seed=4 + masks.CEILING_SEED)
     assert not (fit[:, None] == lds_masks[None]).all(-1).any()
     by_hand = faithfulness.additive_ceiling(fit, faithfulness.answer_scores(model, sample, ~fit).logprob)
     actual = faithfulness.answer_scores(model, sample, ~lds_masks).logprob
@@ -290,14 +290,14 @@ def test_pruned_and_hierarchical_leave_one_out_are_exact_where_they_measure(mode
         probe.detect("leave_one_out", model, None, sample, top_m=3, block=2)
 
 
-def test_pruned_leave_one_out_reuses_the_ranking_a_shared_call_made(model, sample, monkeypatch):
+def test_pruned_leave_one_out_reuses_the_ranking_a_shared_call_made(model, sample, sandbox):
     """In detect_many, a pruned leave-one-out ranks by the detection the call already made (same
     target): the same result as detect() alone, without running the ranking detector again."""
     alone = probe.detect("leave_one_out", model, None, sample, top_m=3, rank_by="embedding_grad")
     runs = []
-    real = detectors.registry._REGISTRY["embedding_grad"]
+    real = detectors.registry.lookup("embedding_grad")
     counted = functools.wraps(real)(lambda *args, **kwargs: runs.append(1) or real(*args, **kwargs))
-    monkeypatch.setitem(detectors.registry._REGISTRY, "embedding_grad", counted)
+    detectors.replace("embedding_grad", counted)
     names = ["attention", "embedding_grad", "leave_one_out"]
     options = {"leave_one_out": {"top_m": 3, "rank_by": "embedding_grad"}}
     found = detectors.detect_many(names, model, None, sample, options)
@@ -311,7 +311,7 @@ def test_pruned_leave_one_out_reuses_the_ranking_a_shared_call_made(model, sampl
 
 
 def test_pruned_leave_one_out_ranked_by_several_detectors_against_a_brute_force_loop(
-    model, sample, monkeypatch
+    model, sample, sandbox
 ):
     """``rank_by`` naming two detectors removes the union of each one's top ``top_m`` one by one (each
     drop against an eager pass with the source's keys masked by hand) and scores every other source
@@ -340,9 +340,9 @@ def test_pruned_leave_one_out_ranked_by_several_detectors_against_a_brute_force_
 
     runs = []
     for name in rankers:
-        real = detectors.registry._REGISTRY[name]
+        real = detectors.registry.lookup(name)
         counted = functools.wraps(real)(lambda *a, real=real, **kw: runs.append(1) or real(*a, **kw))
-        monkeypatch.setitem(detectors.registry._REGISTRY, name, counted)
+        detectors.replace(name, counted)
     options = {"leave_one_out": {"top_m": top_m, "rank_by": rankers}}
     found = detectors.detect_many([*rankers, "leave_one_out"], model, None, sample, options)
     assert runs == []  # both came from the shared pass, and leave-one-out reused them

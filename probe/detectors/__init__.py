@@ -36,6 +36,8 @@ from probe.detectors.registry import (
     option_default,
     options,
     register,
+    replace,
+    sandbox,
     shared_pass,
     spread_over_tokens,
     top_k_mask,
@@ -95,4 +97,6 @@ __all__ = [
     "shared_pass",
     "spread_over_tokens",
     "top_k_mask",
+    "replace",
+    "sandbox",
 ]

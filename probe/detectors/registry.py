@@ -10,11 +10,12 @@ detectors in registration order: the one-pass detectors, the baselines, the abla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from probe.checks import check_layers, check_option, check_sample, check_sample_
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import source_scores
 from probe.results import read_json, reading, write_json
-from probe.target import CHECKED, describe
+from probe.target import CHECKED, describe, vocabulary_size
 from probe.tasks import Sample
 
 
@@ -232,7 +233,7 @@ def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Call
             check_sample(sample)
             check_answered(sample)
             if isinstance(options.get("target"), CHECKED):  # before any model work
-                options["target"].check(sample.input_ids[sample.target_positions])
+                options["target"].check(sample.input_ids[sample.target_positions], vocabulary_size(model))
             check_sample_fits(model, sample, tokenizer)
             start = time.perf_counter()
             detection = run(model, tokenizer, sample, **options)
@@ -245,6 +246,33 @@ def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Call
         return named
 
     return add
+
+
+@contextlib.contextmanager
+def sandbox() -> Iterator[None]:
+    """A block in which :func:`register` and :func:`replace` change the registry only until it ends (even
+    by an exception): a detector tried in a notebook or a test, or one wrapped to count its calls, leaves
+    the registry as it was."""
+    saved = dict(_REGISTRY), dict(_SHARED)
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved[0])
+        _SHARED.clear()
+        _SHARED.update(saved[1])
+
+
+def replace(name: str, detector: Detector) -> Detector:
+    """Put ``detector`` in place of the registered detector ``name`` (e.g. it, wrapped to count its calls)
+    and return the one it replaces. Meant inside :func:`sandbox`, which puts the original back."""
+    replaced = lookup(name)
+    if not callable(detector):
+        raise InvalidTypeError(
+            f"detector must be callable (model, tokenizer, sample, **options), got {detector!r}"
+        )
+    _REGISTRY[name] = detector
+    return replaced
 
 
 def _alone(read: Callable[..., Detection], shared_pass: SharedPass) -> Detector:

@@ -19,7 +19,7 @@ from probe.detectors import registry
 from probe.detectors.registry import PASS_OPTIONS, Detection, finished
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import sample_digest
-from probe.target import CHECKED, describe
+from probe.target import CHECKED, describe, vocabulary_size
 from probe.tasks import Sample
 
 
@@ -135,7 +135,7 @@ def detect_many(
         )
     (target,) = chosen.values() if chosen else (None,)
     for one in samples if isinstance(target, CHECKED) else ():  # before any model work
-        target.check(one.input_ids[one.target_positions])
+        target.check(one.input_ids[one.target_positions], vocabulary_size(model))
     journaled = journal.active()
     files = [
         {

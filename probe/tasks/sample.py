@@ -21,7 +21,6 @@ tokenizes the result once, with the same exact span mapping.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from probe import views
 from probe.checks import check_tokenizer, tokenizer_fingerprint
 from probe.errors import InvalidTypeError, InvalidValueError
+from probe.tasks import rewrite
 from probe.tasks.answers import answer_match
 from probe.tasks.spans import chat_wrapper, source_ranges, tokenize_with_spans, uses_chat
 
@@ -204,78 +204,7 @@ class Sample:
         not all joined by one separator (untracked text between them), and when the re-tokenized
         question or answer tokens differ from this sample's (a different tokenizer).
         """
-        own = self.sources
-        chosen = set(sources)
-        for source in chosen:
-            if source.category in ("question", "answer"):
-                raise InvalidValueError(f"the {source.category} is never removed from a sample, got {source}")
-            if source not in own:
-                raise InvalidValueError(f"{source} is not one of this sample's sources")
-        chars = [self.char_spans[source.category][source.index] for source in own]
-        gaps = {self.text[end:start] for (_, end), (start, _) in zip(chars, chars[1:], strict=False)}
-        if len(gaps) > 1:
-            raise InvalidValueError(f"the sources are not joined by one separator (found {sorted(gaps)})")
-
-        gone = [source in chosen for source in own]
-        last_kept = max((i for i, flag in enumerate(gone) if not flag), default=-1)
-        cuts = []  # character ranges to delete, in text order
-        for i, flag in enumerate(gone):
-            if not flag:
-                continue
-            if 0 <= last_kept < i:  # after the last kept source: the separator before it goes
-                cuts.append((chars[i - 1][1], chars[i][1]))
-            elif i + 1 < len(own):  # otherwise the separator after it goes
-                cuts.append((chars[i][0], chars[i + 1][0]))
-            else:  # the only source of the body
-                cuts.append(chars[i])
-        kept_text = np.ones(len(self.text), dtype=bool)
-        pieces, position = [], 0
-        for start, end in cuts:
-            kept_text[start:end] = False
-            pieces.append(self.text[position:start])
-            position = end
-        text = "".join(pieces) + self.text[position:]
-        new_position = np.concatenate([[0], np.cumsum(kept_text)])  # old character index -> new one
-
-        dropped = {(source.category, source.index) for source in chosen}
-        char_spans = {
-            category: [
-                (int(new_position[start]), int(new_position[end]))
-                for index, (start, end) in enumerate(spans)
-                if (category, index) not in dropped
-            ]
-            for category, spans in self.char_spans.items()
-        }
-        with_chat = uses_chat(tokenizer, self.options.get("chat"))
-        input_ids, offsets, spans, cuts = tokenize_with_spans(tokenizer, text, char_spans, not with_chat)
-        for category in ("question", "answer"):
-            (old_start, old_end), (new_start, new_end) = self.spans[category][0], spans[category][0]
-            if not torch.equal(self.input_ids[old_start:old_end], input_ids[new_start:new_end]):
-                raise InvalidValueError(
-                    f"the {category} tokenizes differently after the removal: is {type(tokenizer).__name__} "
-                    "the tokenizer that rendered this sample?"
-                )
-        removed = set(self.removed) | {
-            (source.category, _full_index(self.removed, source.category, source.index)) for source in chosen
-        }
-        return Sample(
-            task=self.task,
-            length=self.length,
-            seed=self.seed,
-            depth=self.depth,
-            options=dict(self.options),
-            text=text,
-            input_ids=input_ids,
-            answer=self.answer,
-            answer_pattern=self.answer_pattern,
-            prompt_length=spans["answer"][0][0],
-            spans=spans,
-            char_spans=char_spans,
-            offsets=offsets,
-            removed=tuple(sorted(removed)),
-            tokenizer=self.tokenizer,
-            cuts=cuts,
-        )
+        return rewrite.without(self, sources, tokenizer)
 
     @classmethod
     def from_text(
@@ -355,27 +284,7 @@ class Sample:
         answer pattern and scoring stay the task's. The text is tokenized once more with the same span
         rule; ``tokenizer`` must be the one that rendered the sample, and the prompt's tokens must come
         out the same (they do unless the answer merges with the prompt's last characters)."""
-        check_tokenizer(tokenizer)
-        if not isinstance(answer, str) or not answer.strip():
-            raise InvalidValueError(f"answer must be non-empty text, got {answer!r}")
-        answer = answer.strip()
-        (start, end), *_ = self.char_spans["answer"]
-        gold = self.text[start:end]
-        separator = gold[: len(gold) - len(gold.lstrip())]  # the answer separator recorded with it
-        text = self.text[:start] + separator + answer
-        char_spans = dict(self.char_spans) | {"answer": [(start, len(text))]}
-        with_chat = uses_chat(tokenizer, self.options.get("chat"))
-        input_ids, offsets, spans, cuts = tokenize_with_spans(tokenizer, text, char_spans, not with_chat)
-        prompt_length = spans["answer"][0][0]
-        if prompt_length != self.prompt_length or not torch.equal(input_ids[:prompt_length], self.prompt_ids):
-            raise InvalidValueError(
-                f"the prompt tokenizes differently before the answer {answer[:40]!r}: is "
-                f"{type(tokenizer).__name__} the tokenizer that rendered this sample?"
-            )
-        return dataclasses.replace(
-            self, text=text, input_ids=input_ids, answer=answer, spans=spans, char_spans=char_spans,
-            offsets=offsets, cuts=cuts,
-        )  # fmt: skip
+        return rewrite.with_answer(self, answer, tokenizer)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-Python form (lists, not tensors or arrays) for JSON / pandas; :meth:`from_dict` reads it."""
@@ -402,18 +311,6 @@ class Sample:
         for key in ("spans", "char_spans"):
             fields[key] = {cat: [tuple(s) for s in spans] for cat, spans in record[key].items()}
         return cls(**fields)
-
-
-def _full_index(removed: Sequence[tuple[str, int]], category: str, index: int) -> int:
-    """The index in the full sample of the ``index``-th remaining entry of ``category``, given the
-    entries already ``removed`` (full-sample numbering): the ``index``-th integer not among them."""
-    gone = {i for cat, i in removed if cat == category}
-    full = -1
-    for _ in range(index + 1):
-        full += 1
-        while full in gone:
-            full += 1
-    return full
 
 
 class _TextBuilder:
