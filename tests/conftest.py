@@ -57,6 +57,24 @@ def smollm2():
     return probe.load_model("smollm2-135m")
 
 
+# the faithfulness tests' tokenizer, story and tiny models (tests/test_faithfulness.py, test_compaction.py)
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(probe.models.converted_folder("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def sample(tokenizer):
+    return probe.tasks.make("multihop-2", tokenizer, 300, seed=1)
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def model(request, tokenizer):
+    return probe.tiny_model(request.param, vocab_size=len(tokenizer), max_position_embeddings=1024)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory):
     """A tiny random Llama saved with the real SmolLM2 tokenizer: loads by path like a real model, fast."""

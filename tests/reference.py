@@ -83,6 +83,7 @@ def masked_eager_forward(model, input_ids, hidden=(), window=None, heads=()):
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     handles = []
     for layer, head in heads:
+
         def zero(_, args, head=head):
             x = args[0].clone()
             x[..., head * head_dim : (head + 1) * head_dim] = 0
@@ -125,3 +126,14 @@ def token_starts(text: str, offsets) -> list[int | None]:
 def tokens_starting_in(starts: list[int | None], char_span: tuple[int, int]) -> list[int]:
     """The tokens whose start (:func:`token_starts`) lies in ``char_span`` [start, end)."""
     return [i for i, s in enumerate(starts) if s is not None and char_span[0] <= s < char_span[1]]
+
+
+COMPACT_ATOL = 1e-4  # nats, fp32: compaction against key masking
+
+
+def eager_answer_logprob(model, sample, hidden) -> float:
+    """Σ log P(gold answer token) from an eager forward with the hidden keys masked by hand."""
+    _, logits = masked_eager_forward(model, sample.input_ids[None], hidden=set(hidden))
+    targets = sample.target_positions
+    logprobs = logits[0, targets - 1].log_softmax(-1)
+    return float(logprobs.gather(-1, sample.input_ids[targets, None]).sum().detach())

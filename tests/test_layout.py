@@ -1,0 +1,133 @@
+"""The rules of the layout, checked on the checkout (and each checker shown to catch a violation):
+
+- import direction: ``probe`` (the library) imports neither ``analyses`` nor ``bench``; ``bench`` (speed
+  and memory benchmarks) does not import ``analyses`` (the studies);
+- file size: no Python file of ``probe``, ``analyses``, ``bench`` or ``tests`` is longer than
+  :data:`MAX_LINES` lines;
+- the detector registry's private tables (``_REGISTRY``, ``_SHARED``) are touched by its own module only:
+  everyone else uses ``register``, ``lookup``, ``replace`` and ``sandbox``;
+- ``bench`` edits no ``sys.path``: it is a package run with ``python -m bench.<name>``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 450
+PACKAGES = ("probe", "analyses", "bench", "tests")
+FORBIDDEN_IMPORTS = {"probe": ("analyses", "bench"), "bench": ("analyses",)}
+PRIVATE = ("_REGISTRY", "_SHARED")
+REGISTRY = Path("probe/detectors/registry.py")
+
+
+def python_files(root: Path, package: str) -> list[Path]:
+    return sorted(path for path in (root / package).rglob("*.py") if ".venv" not in path.parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code (function-level imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def wrong_imports(root: Path) -> list[str]:
+    """``file: module`` for each import that goes against :data:`FORBIDDEN_IMPORTS`."""
+    wrong = []
+    for package, forbidden in FORBIDDEN_IMPORTS.items():
+        for path in python_files(root, package):
+            for module in sorted(imported_modules(path)):
+                if module.split(".")[0] in forbidden:
+                    wrong.append(f"{path.relative_to(root)}: {module}")
+    return wrong
+
+
+def long_files(root: Path) -> list[str]:
+    """``file (lines)`` for each Python file longer than :data:`MAX_LINES`."""
+    found = []
+    for package in PACKAGES:
+        for path in python_files(root, package):
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            if lines > MAX_LINES:
+                found.append(f"{path.relative_to(root)} ({lines})")
+    return found
+
+
+def private_registry_access(root: Path) -> list[str]:
+    """``file:line`` for each use of the registry's private tables outside its module."""
+    found = []
+    for package in PACKAGES:
+        for path in python_files(root, package):
+            if path.relative_to(root) == REGISTRY:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Attribute) and node.attr in PRIVATE:
+                    owner = (
+                        node.value.attr
+                        if isinstance(node.value, ast.Attribute)
+                        else getattr(node.value, "id", "")
+                    )
+                    touched = owner == "registry"
+                elif isinstance(node, ast.ImportFrom):
+                    touched = (node.module or "").endswith("registry") and any(
+                        a.name in PRIVATE for a in node.names
+                    )
+                else:
+                    touched = False
+                if touched:
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def path_edits(root: Path) -> list[str]:
+    """``file:line`` for each ``sys.path`` edit in ``bench``."""
+    found = []
+    for path in python_files(root, "bench"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and getattr(node.value, "id", "") == "sys"
+            ):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+CHECKS = {
+    "imports": wrong_imports,
+    "size": long_files,
+    "registry": private_registry_access,
+    "sys.path": path_edits,
+}
+
+
+@pytest.mark.parametrize("rule", list(CHECKS))
+def test_the_checkout_keeps_the_rule(rule):
+    assert CHECKS[rule](ROOT) == []
+
+
+VIOLATIONS = {
+    "imports": ("probe/bad.py", "def f():\n    from analyses.comparison import rank_table\n"),
+    "size": ("analyses/bad.py", "x = 1\n" * (MAX_LINES + 1)),
+    "registry": ("tests/test_bad.py", "from probe.detectors import registry\nregistry._REGISTRY.clear()\n"),
+    "sys.path": ("bench/bad.py", "import sys\nsys.path.insert(0, '.')\n"),
+}
+
+
+@pytest.mark.parametrize("rule", list(CHECKS))
+def test_each_rule_catches_a_violation(rule, tmp_path):
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "probe" / "good.py").write_text("import torch\n")
+    assert CHECKS[rule](tmp_path) == []
+    name, text = VIOLATIONS[rule]
+    (tmp_path / name).write_text(text)
+    assert len(CHECKS[rule](tmp_path)) == 1 and name in CHECKS[rule](tmp_path)[0]
