@@ -3,6 +3,7 @@
 import ctypes
 import ctypes.util
 import os
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the suite never downloads: set before transformers is imported
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -85,6 +86,21 @@ def tiny_model_folder(tmp_path_factory):
     probe.tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=2048).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def run_argv(folder: Path) -> list[str]:
+    """The ``compare_run`` fixture's settings."""
+    return ["--model", str(folder), "--length", "192", "--samples", "1", "--masks", "8"]
+
+
+@pytest.fixture(scope="module")
+def compare_run(tiny_model_folder, tmp_path_factory):
+    """The analysis at tiny settings: 2 tasks × 1 sample of 192 tokens, 8 random masks."""
+    out = tmp_path_factory.mktemp("detector_compare")
+    from analyses import detector_compare
+
+    table = detector_compare.main([*run_argv(tiny_model_folder), "--out", str(out)])
+    return table, out, f"{tiny_model_folder.name}-192"
 
 
 class PassCounter:
