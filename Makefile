@@ -26,9 +26,10 @@ $(STAMP): pyproject.toml Makefile
 figures: $(STAMP)  ## the main job, quick default on SmolLM2-135M, writes figures/
 	$(TIMED) $(PY) -m analyses.detector_compare
 
+# two workers of one thread each: at these model sizes two processes beat one with two threads
 test: $(STAMP)  ## the test suite (tiny models, plus a few marked real-model checks)
 	$(PY) -m ruff check .
-	$(TIMED) $(PY) -m pytest -q
+	$(TIMED) env OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
 
 bench: $(STAMP)  ## capture-core memory/time ratios (minutes; not part of the tests)
 	$(PY) bench/capture_memory.py --csv bench/results/capture_memory.csv

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 import probe
 from probe import detectors, tasks
 from probe.models import converted_folder
-from probe.target import Contrast
+from probe.target import AnswerToken, Contrast
 
 EXAMPLES = int(os.environ.get("LONGPROBE_FUZZ_EXAMPLES", 6))
 NOT_CALLED = {"detectors", "errors", "metrics", "LongprobeError", "UnsupportedModelError",
@@ -90,6 +90,13 @@ def valid_calls(c: dict) -> dict[str, tuple[Callable, dict]]:
         "tasks.make": (tasks.make, dict(task="multihop-1", tokenizer=tok, length=160, seed=0)),
         "Sample.from_text": (probe.Sample.from_text, dict(tokenizer=tok, context="Mary left.",
                                                           query="Who left?", response="Mary")),
+        "Sample.with_answer": (s.with_answer, dict(answer="Mary went home", tokenizer=tok)),
+        "given_answer": (probe.given_answer, dict(sample=s, reply="Mary went home.")),
+        "metrics.source_plausibility": (probe.metrics.source_plausibility,
+                                        dict(scores=[0.5] * len(s.sources), sample=s)),
+        # the constructors of the public classes, fuzzed as the functions are
+        "Contrast": (Contrast, dict(foil=[1, 2])),
+        "AnswerToken": (AnswerToken, dict(index=0)),
     }  # fmt: skip
 
 
