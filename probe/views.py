@@ -52,10 +52,11 @@ def page(title: str, body: str) -> str:
     )
 
 
-def token_view(sample, scores: Sequence[float] | None = None, title: str = "") -> str:
+def token_view(sample, scores: Sequence[float] | None = None, title: str = "", note: str = "") -> str:
     """The token view of ``sample`` (see the module docstring) as an HTML fragment ``<div>``.
 
-    ``scores``: one per token (Tensor[seq] or array), or ``None`` for the spans alone.
+    ``scores``: one per token (Tensor[seq] or array), or ``None`` for the spans alone. ``note``: a line
+    shown under the title (a detection's certificate).
     """
     text, offsets = sample.text, np.asarray(sample.offsets)
     categories = np.asarray(sample.categories)
@@ -82,10 +83,11 @@ def token_view(sample, scores: Sequence[float] | None = None, title: str = "") -
         if name in set(categories) and name != "answer"
     )
     shading = "" if scores is None else "; red = higher score (min-max over the prompt)"
-    meta = f"{sample.task}, seed {sample.seed}, {len(offsets)} tokens, gold answer {sample.answer!r}{shading}"
+    meta = f"{sample.task}, seed {sample.seed}, {len(offsets)} tokens, answer {sample.answer!r}{shading}"
     return (
         f'<div class="longprobe-view"><h2>{html.escape(title)}</h2><p class="meta">{html.escape(meta)}</p>'
-        f'<p class="legend">{legend}<span class="answer">answer</span></p>'
+        + (f'<p class="note">{html.escape(note)}</p>' if note else "")
+        + f'<p class="legend">{legend}<span class="answer">answer</span></p>'
         f'<div class="tokens">{"".join(parts)}</div></div>'
     )
 

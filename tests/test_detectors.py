@@ -91,7 +91,7 @@ def test_detectors_register_in_a_fixed_order():
     assert detectors.names() == [
         "attention", "fr", "embedding_grad", "information_flow", "grad_times_input", "key_removal_grad",
         "key_removal_banzhaf", "at2", "attn_lrp", "integrated_gradients", "lsd", "random", "recency",
-        "lexical_overlap", "leave_one_out", "context_cite",
+        "lexical_overlap", "leave_one_out", "context_cite", "leave_few_out",
     ]  # fmt: skip
 
 

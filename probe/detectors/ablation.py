@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from probe.checks import check_number
-from probe.detectors.registry import Detection, looked_up, options, register, spread_over_tokens
-from probe.detectors.run import detect
+from probe.detectors.registry import Detection, looked_up, options, register, shared_pass, spread_over_tokens
+from probe.detectors.run import detect, detect_many
 from probe.errors import InvalidValueError
 from probe.faithfulness import (
     AnswerScores,
@@ -245,3 +245,86 @@ def context_cite(
             "heldout_r2": float(r2_score(logprob[n_fit:].numpy(), predicted)),
         },
     )
+
+
+@register("leave_few_out")
+def leave_few_out(
+    model,
+    tokenizer,
+    sample: Sample,
+    measure: int = 3,
+    rank_by: str | Sequence[str] = ("key_removal_grad", "information_flow"),
+    check: int = 3,
+    target: Target | None = None,
+    reuse_prefix: bool = True,
+    compact: bool | None = None,
+) -> Detection:
+    """Leave-one-out where it matters: the sources each ``rank_by`` detector puts in its top ``measure``
+    are removed one by one and score their exact drops; every other source scores the first detector's
+    source score times the least-squares scale onto those drops (pruned leave-one-out, AttriBoT, Liu et
+    al. ICLR 2025); then the top ``check`` sources of the result are removed together, once, to check the
+    ranking's head.
+
+    Why two rankers: a slope at the full context cannot see a step. Where the answer is copied from one
+    source, its log-probability is a step in that source's key bias, and the key-removal gradient reads
+    only the rows the model hesitates on, so it may rank the copied source low; information flow (CDT eq.
+    1) sees the copy in the attention, so the union of both tops holds it, and its exact removal scores
+    it. The default rankers share one forward+backward pass (:func:`~probe.detectors.detect_many`).
+
+    The certificate, in ``details``: ``measured`` BoolTensor[sources] (removed one by one) and
+    ``source_scores`` (their exact drops there), ``estimated_by`` and ``scale`` (how the rest were scored),
+    ``head`` LongTensor[check] (the top sources), ``head_drop`` (the measured drop when they are removed
+    together) beside ``head_sum`` (the sum of their scores): far apart, the head's sources overlap or
+    back each other up, and their individual scores do not add. Also ``passes`` (the rankers' pass and
+    every masked pass, the full context included), ``full_logprob`` and every masked pass
+    (:meth:`probe.faithfulness.Ablations.of`). Options as :func:`leave_one_out`'s.
+    """
+    rankers = looked_up(rank_by)
+    if not rankers or {"leave_one_out", "leave_few_out"} & set(rankers):
+        raise InvalidValueError(f"rank_by must name one or more one-pass detectors, got {rank_by!r}")
+    for name, value in (("measure", measure), ("check", check)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidValueError(f"{name} must be a positive number of sources, got {value!r}")
+    settings = {"measure": measure, "rank_by": list(rankers), "check": check, "reuse_prefix": reuse_prefix,
+                "compact": compact}  # fmt: skip
+    how = {"reuse_prefix": reuse_prefix, "compact": compact, "target": target}
+    explained = {name: {"target": target} for name in rankers if "target" in options(name)}
+    found = detect_many(rankers, model, tokenizer, sample, explained)
+    rankings = torch.stack([found[name].source_scores(sample) for name in rankers])
+    chosen = pruned_sources(rankings, measure)
+    drops, (removed, ran) = leave_one_out_drops(model, sample, chosen, **how)
+    effect = pruned_estimate(rankings[0], chosen, drops)
+    head = torch.argsort(-effect, stable=True)[: min(check, len(effect))]
+    together = torch.zeros(1, len(effect), dtype=torch.bool)
+    together[0, head] = True
+    joint = answer_scores(model, sample, together, **how)
+    measured = torch.zeros(len(effect), dtype=torch.bool)
+    measured[chosen] = True
+    cheap = rankings[0].float()
+    scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
+    scores = spread_over_tokens(effect, sample)
+    ranker_passes = len({registry_pass(name) for name in rankers})
+    return Detection(
+        scores=scores,
+        flagged=scores > 0,
+        settings=settings,
+        details={
+            "source_scores": effect,
+            "measured": measured,
+            "estimated_by": rankers[0],
+            "scale": scale,
+            "head": head,
+            "head_drop": float(ran.logprob[0] - joint.logprob[0]),
+            "head_sum": float(effect[head].sum()),
+            "passes": ranker_passes + len(removed) + 1,
+            "full_logprob": float(ran.logprob[0]),
+            "ablated": torch.cat([removed, together]),
+            "ablated_logprob": torch.cat([ran.logprob, joint.logprob]),
+            "ablated_correct": torch.cat([ran.correct, joint.correct]),
+        },
+    )
+
+
+def registry_pass(name: str) -> str:
+    """Which pass detector ``name`` runs: ``"shared"`` for a reader of the shared pass, else its own."""
+    return "shared" if shared_pass(name) else name

@@ -64,7 +64,26 @@ class Detection:
             raise InvalidValueError(
                 "this detection carries no sample (loaded from a file?): pass show(sample=...)"
             )
-        return views.token_view(sample, self.scores, f"{self.name or 'detection'} scores")
+        return views.token_view(sample, self.scores, f"{self.name or 'detection'} scores", self.certificate())
+
+    def certificate(self) -> str:
+        """What this detection measured exactly and how it scored the rest, in one line ("" for a detection
+        that measured nothing): the sources removed one by one with their drops, the detector and scale
+        that scored the others, and the check of the ranking's head (its sources removed together)."""
+        details = self.details
+        if "measured" not in details:
+            return ""
+        scores, measured = details["source_scores"], details["measured"].nonzero().flatten().tolist()
+        drops = ", ".join(f"#{i} {float(scores[i]):.2f}" for i in measured)
+        parts = [f"measured exactly: {len(measured)} of {len(scores)} sources (drops in nats: {drops})"]
+        if "estimated_by" in details and len(measured) < len(scores):
+            parts.append(f"the others: {details['estimated_by']} × {details['scale']:.3g}")
+        if "head_drop" in details:
+            parts.append(
+                f"the top {len(details['head'])} removed together lose {details['head_drop']:.2f} nats, "
+                f"their scores sum to {details['head_sum']:.2f}"
+            )
+        return "; ".join(parts)
 
     def show(self, sample: Sample | None = None):
         """The token view (:func:`probe.views.token_view`) in a notebook: each token shaded by its score."""
@@ -93,7 +112,8 @@ class Detection:
     def to_frame(self, tokenizer=None, sample: Sample | None = None, rows: str | None = None) -> pd.DataFrame:
         """One row per token (position, score, flagged; token text and category given a sample and
         tokenizer) or, with ``rows="source"``, one row per source of the sample (its category, token
-        span, text, score and rank, 1 = highest). ``rows`` defaults to :attr:`rows`."""
+        span, text, score and rank, 1 = highest; ``measured`` where the detector removed sources: whether
+        the score is the source's exact drop, :meth:`certificate`). ``rows`` defaults to :attr:`rows`."""
         rows = rows or self.rows
         if rows == "source":
             return self._source_frame(sample if sample is not None else self.sample)
@@ -133,6 +153,8 @@ class Detection:
             }
         )
         frame["rank"] = frame.score.rank(ascending=False, method="first").astype(int)
+        if "measured" in self.details:  # the certificate: which scores are exact drops
+            frame["measured"] = self.details["measured"].bool().numpy()
         return frame.assign(detector=self.name)
 
     def save(self, path: str | Path) -> None:

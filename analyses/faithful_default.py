@@ -1,0 +1,162 @@
+"""Development of a default detector that matches exact leave-one-out at a few passes, on development seeds.
+
+For each sample: exhaustive leave-one-out (one compacted pass per source: every source's exact drop),
+32 random half masks (the LDS masks), the one-pass detectors' source scores (the shared pass's
+``key_removal_grad``, ``information_flow`` and ``attention``; ``key_removal_banzhaf`` and ``attn_lrp``,
+one pass each), and a plain forward pass, timed, to express every cost in forward-pass equivalents.
+Then every candidate *few-removal* scorer is computed from these without running anything again: for
+a set of rankers and a budget m, the union of each ranker's top m sources is "measured" (its exact
+drops, read off the exhaustive passes, as a pruned leave-one-out measures them) and every other source
+scores the first ranker's score times the least-squares scale onto the measured drops (AttriBoT's
+estimate, :func:`probe.detectors.ablation.pruned_estimate`). Each candidate's LDS (on the same masks)
+minus leave-one-out's, whether its top source is leave-one-out's, and its cost (its rankers' passes plus
+one removal per measured source) are written per sample; the summary gives the paired LDS difference
+with a 95 % bootstrap interval per model and candidate. Each sample's measurements are kept
+(``OUT/arrays/MODEL-TASK-SEED.pt``: drops, masks, log-probabilities, rankings, costs), so that further
+candidates are tried on them without running the model again.
+
+Only development seeds: no sample of the held-out study (seeds 5000–5005), the HotpotQA study (seeds
+0–31) or the default's judged run may be used here.
+
+    python -m analyses.faithful_default --model smollm2-135m --seeds 7000 7001 7002 --out figures/studies/faithful_default_dev
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from probe import detectors, faithfulness, load_model, stats, tasks
+from probe.atomic import atomic_write
+from probe.detectors.ablation import pruned_estimate, pruned_sources
+
+from .comparison import explained
+
+TASKS = ("multihop-4", "kv", "document-2", "key-token", "hotpotqa")
+SHARED = ("key_removal_grad", "information_flow", "attention")
+OWN_PASS = ("key_removal_banzhaf", "attn_lrp")
+RANKER_SETS = (
+    ("key_removal_grad",),
+    ("key_removal_grad", "information_flow"),
+    ("key_removal_grad", "attention"),
+    ("key_removal_banzhaf", "information_flow"),
+    ("key_removal_banzhaf", "attn_lrp"),
+    ("key_removal_grad", "attn_lrp"),
+)
+BUDGETS = (1, 2, 3, 4)
+MASKS = 32
+
+
+def forward_seconds(model, sample: tasks.Sample) -> float:
+    """Seconds of one plain forward pass over the sample (the unit of cost), best of two."""
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(sample.input_ids[None], use_cache=False, logits_to_keep=1)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure(model, tokenizer, task: str, seed: int, length: int | None) -> tuple[dict, dict]:
+    """One sample's measurements: (facts about it, arrays: drops, masks, actual, rankings, costs)."""
+    sample, answer = explained(model, tokenizer, tasks.make(task, tokenizer, length, seed, model=model), None)
+    unit = forward_seconds(model, sample)
+    start = time.perf_counter()
+    found = detectors.detect_many(list(SHARED), model, tokenizer, sample)
+    costs = dict.fromkeys(SHARED, (time.perf_counter() - start) / unit)
+    for name in OWN_PASS:
+        start = time.perf_counter()
+        found[name] = detectors.detect(name, model, tokenizer, sample)
+        costs[name] = (time.perf_counter() - start) / unit
+    n = len(sample.sources)
+    start = time.perf_counter()
+    drops, _ = faithfulness.leave_one_out_drops(model, sample, range(n))
+    removal = (time.perf_counter() - start) / unit / (n + 1)  # a removal pass, in forward passes
+    kept = faithfulness.random_masks(n, MASKS, seed=seed)
+    actual = faithfulness.answer_scores(model, sample, ~kept).logprob
+    rankings = {name: detection.source_scores(sample) for name, detection in found.items()}
+    about = {"task": task, "seed": seed, "sources": n, "tokens": len(sample.input_ids), **answer}
+    return about, {"drops": drops, "kept": kept, "actual": actual, "rankings": rankings, "costs": costs,
+                   "removal": removal}  # fmt: skip
+
+
+def candidates(about: dict, measured: dict) -> list[dict]:
+    """Every candidate's row on one sample (and leave-one-out's and the rankers' own)."""
+    drops, kept, actual = measured["drops"], measured["kept"], measured["actual"]
+    reference = faithfulness.lds(drops, kept, actual)
+    top = int(torch.argmax(drops))
+    rows = [{**about, "scorer": "leave_one_out", "rankers": "", "budget": len(drops), "lds": reference,
+             "lds_minus_loo": 0.0, "top_source_found": True, "cost": len(drops) * measured["removal"]}]  # fmt: skip
+    for name, ranking in measured["rankings"].items():
+        rows.append({**about, "scorer": name, "rankers": name, "budget": 0, "lds": faithfulness.lds(ranking, kept, actual),
+                     "top_source_found": int(torch.argmax(ranking)) == top, "cost": measured["costs"][name]})  # fmt: skip
+    for rankers, budget in itertools.product(RANKER_SETS, BUDGETS):
+        ranking = torch.stack([measured["rankings"][name] for name in rankers])
+        chosen = pruned_sources(ranking, budget)
+        scores = pruned_estimate(ranking[0], chosen, drops[chosen])
+        passes = {"shared" if name in SHARED else name: measured["costs"][name] for name in rankers}
+        rows.append({**about, "scorer": f"{'+'.join(rankers)} top {budget}", "rankers": "+".join(rankers),
+                     "budget": budget, "lds": faithfulness.lds(scores, kept, actual),
+                     "top_source_found": top in chosen.tolist() and int(torch.argmax(scores)) == top,
+                     "measured": len(chosen), "cost": sum(passes.values()) + (len(chosen) + 1) * measured["removal"]})  # fmt: skip
+    for row in rows:
+        row["lds_minus_loo"] = row["lds"] - reference
+    return rows
+
+
+def summary(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per model and scorer: mean LDS − leave-one-out's with its 95 % bootstrap interval, the share of
+    samples whose top source is leave-one-out's, the mean cost in forward passes, and the samples."""
+    records = []
+    for (model, scorer), part in rows.groupby(["model", "scorer"], sort=False):
+        estimate = stats.bootstrap(part.lds_minus_loo.to_numpy())
+        records.append({"model": model, "scorer": scorer, "lds_minus_loo": estimate.value, "low": estimate.low,
+                        "high": estimate.high, "top_source_found": part.top_source_found.mean(),
+                        "cost": part.cost.mean(), "samples": estimate.n})  # fmt: skip
+    return pd.DataFrame(records).sort_values(["model", "low"], ascending=[True, False])
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=tasks.names())
+    parser.add_argument("--seeds", type=int, nargs="+", required=True, help="development seeds only")
+    parser.add_argument(
+        "--length", type=int, default=1024, help="prompt tokens (hotpotqa: its natural length)"
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if set(args.seeds) & (set(range(5000, 5006)) | set(range(32))):
+        parser.error(
+            "--seeds: the held-out study's (5000–5005) and the HotpotQA study's (0–31) are not for development"
+        )
+    model, tokenizer = load_model(args.model)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = args.out / f"{args.model}-{args.length}.csv"
+    done = pd.read_csv(table) if table.exists() else pd.DataFrame(columns=["task", "seed"])
+    for task, seed in itertools.product(args.tasks, args.seeds):
+        if ((done.task == task) & (done.seed == seed)).any():
+            continue
+        length = None if task in tasks.NATURAL_LENGTH else args.length
+        about, measured = measure(model, tokenizer, task, seed, length)
+        arrays = args.out / "arrays" / f"{args.model}-{task}-{seed}.pt"  # for candidates tried later
+        atomic_write(arrays, lambda tmp, found=measured: torch.save(found, tmp))
+        rows = pd.DataFrame(candidates(about, measured)).assign(model=args.model)
+        done = pd.concat([done, rows], ignore_index=True)
+        atomic_write(table, lambda tmp, frame=done: frame.to_csv(tmp, index=False))
+        print(f"{task} {seed}: done", flush=True)
+    result = summary(done.assign(model=args.model))
+    print(result.round(3).to_string(index=False))
+    return result
+
+
+if __name__ == "__main__":
+    main()

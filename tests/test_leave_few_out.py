@@ -1,0 +1,79 @@
+"""``leave_few_out``: the few sources it measures against an independent key-masked removal (an eager pass
+with the keys hidden by hand), the rest against the first ranker's scores and the least-squares scale,
+its choice against a brute-force loop over the rankers' tops, and its certificate in the detection, its
+frame, its view and its saved file. Tiny Llama and Gemma 3 (``model``, ``sample``: tests/conftest.py)."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pytest
+import torch
+from reference import COMPACT_ATOL, eager_answer_logprob
+
+import probe
+from probe import detectors, faithfulness
+
+
+def hidden_tokens(sample, chosen) -> list[int]:
+    return [t for i in chosen for t in range(sample.sources[i].start, sample.sources[i].end)]
+
+
+@pytest.mark.parametrize("measure", [1, 3])
+def test_measured_drops_and_the_head_check_equal_key_masked_removals(model, sample, measure):
+    found = probe.detect("leave_few_out", model, None, sample, measure=measure, check=2)
+    details = found.details
+    rankers = details["estimated_by"], "information_flow"
+    rankings = [probe.detect(name, model, None, sample).source_scores(sample) for name in rankers]
+    chosen = []
+    for ranking in rankings:  # the union of each ranker's top `measure`, ties to the earlier source
+        order = sorted(range(len(ranking)), key=lambda i: (-float(ranking[i]), i))
+        chosen += [i for i in order[:measure] if i not in chosen]
+    assert details["measured"].nonzero().flatten().tolist() == sorted(chosen)
+    full = eager_answer_logprob(model, sample, [])
+    assert details["full_logprob"] == pytest.approx(full, abs=COMPACT_ATOL)
+    scores = details["source_scores"]
+    for i in chosen:
+        drop = full - eager_answer_logprob(model, sample, hidden_tokens(sample, [i]))
+        assert float(scores[i]) == pytest.approx(drop, abs=COMPACT_ATOL)
+    head = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))[:2]
+    assert details["head"].tolist() == head
+    joint = full - eager_answer_logprob(model, sample, hidden_tokens(sample, head))
+    assert details["head_drop"] == pytest.approx(joint, abs=COMPACT_ATOL)
+    assert details["head_sum"] == pytest.approx(float(scores[head].sum()))
+    rest = [i for i in range(len(scores)) if i not in chosen]
+    first = rankings[0].double().numpy()
+    if len(chosen) > 1:
+        (scale,), *_ = np.linalg.lstsq(first[chosen, None], scores.double().numpy()[chosen], rcond=None)
+    else:
+        scale = 0.0
+    assert details["scale"] == pytest.approx(scale, rel=1e-4, abs=1e-7)
+    np.testing.assert_allclose(scores.double().numpy()[rest], scale * first[rest], rtol=1e-4, atol=1e-7)
+    assert details["passes"] == 1 + len(chosen) + 2  # the shared pass, the removals, full and head
+    assert torch.equal(found.scores[sample.sources[head[0]].start], scores[head[0]])
+
+
+def test_the_certificate_is_in_the_frame_the_view_and_the_saved_file(model, sample, tmp_path):
+    found = probe.detect("leave_few_out", model, None, sample)
+    frame = found.to_frame(sample=sample, rows="source")
+    assert frame.measured.tolist() == found.details["measured"].tolist()
+    measured = found.details["measured"].nonzero().flatten().tolist()
+    text = found.certificate()
+    assert f"measured exactly: {len(measured)} of {len(sample.sources)} sources" in text
+    assert f"#{measured[0]} " in text and "removed together lose" in text and "key_removal_grad ×" in text
+    assert html.escape(text) in found._view(sample)
+    found.save(tmp_path / "found.json")
+    assert detectors.Detection.load(tmp_path / "found.json").certificate() == text
+    assert probe.detect("attention", model, None, sample).certificate() == ""
+
+
+def test_the_judgement_reuses_its_passes_and_bad_options_are_refused(model, sample, passes):
+    found = probe.detect("leave_few_out", model, None, sample)
+    known = faithfulness.Ablations.of(found)
+    assert len(known.removed) == found.details["passes"] - 1  # every masked pass, the shared one aside
+    passes.kill_after(None)
+    for options in ({"measure": 0}, {"check": True}, {"rank_by": ["leave_one_out"]}, {"rank_by": "nope"}):
+        with pytest.raises(probe.LongprobeError):
+            probe.detect("leave_few_out", model, None, sample, **options)
+    assert passes.calls == 0  # refused before any masked pass
