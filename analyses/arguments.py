@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 import probe
-from analyses.sweep import process_device
+
+from .sweep import process_device
 
 DTYPES = ("float32", "bfloat16", "float16")
 

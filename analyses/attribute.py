@@ -24,9 +24,10 @@ import pandas as pd
 import torch
 
 import probe
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
 from probe import detectors, faithfulness
 from probe.atomic import atomic_write
+
+from .arguments import add_device_arguments, check_device_arguments, check_out, load
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -32,6 +32,7 @@ DEFAULT_DETECTORS = [
     "key_removal_banzhaf",
     "leave_one_out",
 ]
+LOO_RANKER = detectors.option_default("leave_one_out", "rank_by")  # pruned leave-one-out's ranking
 REFERENCES = ("ground_truth", "random_sources", "additive_ceiling")
 BASELINES = ("attention", "leave_one_out")  # every scorer's difference from these, with intervals
 INTERVAL_METRICS = ("aopc_comprehensiveness", "aopc_sufficiency", "lds")
@@ -108,9 +109,9 @@ def compare_samples(
     detectors' own count). ``pages``: write each detector's token view of the first sample there
     (``{pages}_{name}.html``). ``ablations``: a list that each sample's masked passes are appended to
     (:meth:`probe.faithfulness.Ablations.to_frame` with ``task`` and ``seed``), so that a later judge
-    of other scores on the same samples (``bench/peers/compare.py``) need not run them again.
+    of other scores on the same samples (``analyses/peers/compare.py``) need not run them again.
     ``saved``: masked passes another run saved with the same model (``to_frame`` rows, e.g.
-    :func:`analyses.detector_compare.saved_passes`): a mask it holds for a sample is read, not run, and
+    :func:`analyses.study_files.saved_passes`): a mask it holds for a sample is read, not run, and
     not appended to ``ablations`` again.
     """
     rows, layers, faithful = [], [], []

@@ -23,7 +23,7 @@ Writes, with the CSV behind each figure (``{tag}`` = model and length):
 - ``detector_{tag}_metrics.csv``: every plausibility metric per detector and sample;
 - ``detector_{tag}_ablations.csv.gz``: every masked pass of the faithfulness judgement (one row per
   sample and mask: :meth:`probe.faithfulness.Ablations.to_frame`), so that other scores are judged
-  on these samples without running them again (``bench/peers/compare.py --ablations``, or another
+  on these samples without running them again (``python -m analyses.peers.compare --ablations``, or another
   run of this module with ``--known``: the masks it holds are read, the rest run);
 - ``detector_{tag}_faithfulness``: deletion curves (log-prob drop of the gold answer vs the number
   of top sources removed) per detector, references dashed, correct vs wrong answers; the CSV has
@@ -46,7 +46,7 @@ The default, the main job, judges CDT's detectors (``attention``, ``information_
 16 random masks for LDS; leave-one-out exact on the 8 sources ``key_removal_grad`` ranks highest and its
 scaled estimate elsewhere (``--loo-top-m all``: exhaustive, one pass per source; ``--loo-rank-by
 key_removal_grad attn_lrp``: exact on the top M of each, the held-out study's choice at 16K and 32K,
-bench/README.md). Every row says what the detector cost (``seconds``, ``passes``). Faithfulness costs
+analyses/README.md). Every row says what the detector cost (``seconds``, ``passes``). Faithfulness costs
 one masked pass per distinct mask (compacted: only the kept tokens run), at most 49 a sample with the
 default's eight scorers; the masks leave-one-out ran are not run again. Other settings than the
 defaults write to a folder of their own under ``figures/studies``, so that ``figures/`` holds exactly
@@ -67,185 +67,26 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import shutil
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
-import seaborn as sns
-from tqdm.auto import tqdm
 
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
-from analyses.comparison import (
-    ANSWER_COLUMNS,
-    ANSWERS,
-    DEFAULT_DETECTORS,
-    EXPLAINED,
-    REFERENCES,
-    answer_label,
-    compare_samples,
-    deletion_curves,
-    explained,
-    faithfulness_intervals,
-    faithfulness_summary,
-    rank_table,
-    ranks_markdown,
-    verdicts_markdown,
-)
-from analyses.output import atomic_write, save_figure
-from analyses.sweep import part_name, sweep
-from probe import detectors, faithfulness, metrics, tasks
+from probe import detectors, faithfulness, tasks
 from probe.checks import model_context
 from probe.errors import InvalidValueError
 from probe.journal import Journal
 
+from .arguments import add_device_arguments, check_device_arguments, check_out, load
+from .comparison import DEFAULT_DETECTORS, EXPLAINED, LOO_RANKER, compare_samples, explained
+from .detector_figures import write_outputs
+from .study_files import finished_study, length_of, options_of, rejudged, saved_passes
+from .sweep import part_name, sweep
+
 NOT_SETTINGS = ("resume", "rejudge", "out", "device", "known")  # arguments that do not make another study
-LOO_RANKER = detectors.option_default("leave_one_out", "rank_by")
 NATURAL = 1024  # the length a natural-length study's length-based defaults (lsd's K) take
 SAMPLES = 12  # per task: 24 samples, the fewest that give the intervals a meaning
-SCORE_COLUMNS = {
-    "auroc": "AUROC (supporting)",
-    "precision_supporting": "precision (supporting)",
-    "recall_supporting": "recall (supporting)",
-    "precision_critical": "precision (sup.+interf.)",
-    "recall_critical": "recall (sup.+interf.)",
-    "fact_hit_rate": "fact hit rate (top-k)",
-}
-
-
-def plot_categories(table: pd.DataFrame):
-    shares = table.melt(
-        id_vars=["detector", "correct"],
-        value_vars=[f"share_top_k_{c}" for c in metrics.SHARE_CATEGORIES],
-        var_name="category",
-        value_name="share",
-    )
-    shares["category"] = shares.category.str.removeprefix("share_top_k_")
-    fig, ax = plt.subplots(figsize=(10, 4))
-    sns.barplot(data=shares, x="detector", y="share", hue="category", errorbar=None, ax=ax)
-    ax.set(ylabel="share of the top-k tokens", xlabel="", title="Where each detector's top-k tokens fall")
-    ax.tick_params(axis="x", rotation=30)
-    ax.legend(title="category", bbox_to_anchor=(1.01, 1), loc="upper left")
-    return fig, shares.groupby(["detector", "category"], as_index=False).share.mean()
-
-
-def plot_layers(layers: pd.DataFrame):
-    data = layers.assign(answer=answer_label(layers.correct))
-    grid = sns.relplot(
-        data=data[data.category != "other"],
-        x="layer",
-        y="enrichment",
-        hue="category",
-        style="answer",
-        style_order=["correct", "wrong"],
-        col="measure",
-        kind="line",
-        errorbar=None,
-        height=3.4,
-        aspect=1.3,
-    )
-    grid.set(yscale="log")
-    for ax in grid.axes.flat:
-        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    grid.set_axis_labels("layer", "per-token share ÷ context average")
-    grid.set_titles("{col_name} from the answer rows")
-    return grid.figure
-
-
-def plot_scores(table: pd.DataFrame):
-    summary = table.groupby("detector")[list(SCORE_COLUMNS)].mean().rename(columns=SCORE_COLUMNS)
-    summary = summary.sort_values(SCORE_COLUMNS["auroc"], ascending=False)
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(summary) + 1.5))
-    sns.heatmap(summary, annot=True, fmt=".2f", vmin=0, vmax=1, cmap="viridis", ax=ax, cbar=False)
-    ax.set(xlabel="", ylabel="", title="Detectors against the ground-truth spans (mean over samples)")
-    ax.tick_params(axis="x", rotation=25)
-    return fig, summary.reset_index()
-
-
-def plot_deletion(faithful: pd.DataFrame) -> plt.Figure:
-    """Mean log-prob drop of the gold answer vs k sources removed, one line per scorer (references
-    dashed), one panel per answer group (correct / wrong, with its number of samples)."""
-    curves = deletion_curves(faithful)
-    counts = answer_label(faithful.drop_duplicates(["task", "seed"]).correct).value_counts()
-    curves["answer"] = [f"{ANSWERS[a]} (n = {counts[a]})" for a in curves.answer]
-    names = list(dict.fromkeys(faithful.scorer[faithful.kind == "detector"]))
-    colors = [c for i, c in enumerate(sns.color_palette("tab20")) if i not in (14, 15)]  # greys: references
-    colors = colors[::2] + colors[1::2]  # the strong shades first
-    palette = {name: colors[i % len(colors)] for i, name in enumerate(names)}
-    palette |= {"ground_truth": "black", "random_sources": "grey", "additive_ceiling": "darkred"}
-    grid = sns.relplot(
-        data=curves,
-        x="k",
-        y="drop",
-        hue="scorer",
-        hue_order=[*names, *REFERENCES],
-        palette=palette,
-        style="kind",
-        style_order=["detector", "reference"],
-        dashes={"detector": "", "reference": (4, 2)},
-        markers={"detector": "o", "reference": "X"},
-        col="answer",
-        col_order=sorted(curves.answer.unique()),
-        kind="line",
-        errorbar=None,
-        height=3.6,
-        aspect=1.1,
-    )
-    ks = sorted(curves.k.unique())
-    grid.set(xscale="log", xticks=ks, xticklabels=[str(k) for k in ks])
-    for ax in grid.axes.flat:
-        ax.axhline(0.0, color="grey", linewidth=0.8, linestyle=":")
-        ax.minorticks_off()
-    grid.set_axis_labels("top-k sources removed (key-masked)", "drop of the gold answer's log-prob (nats)")
-    grid.set_titles("{col_name}")
-    grid.figure.suptitle("Deletion curves: removing each scorer's top sources", y=1.03)
-    return grid.figure
-
-
-def plot_intervals(intervals: pd.DataFrame) -> plt.Figure:
-    """Each scorer's mean AOPC of comprehensiveness and LDS over all samples with 95 % intervals,
-    and its difference from ``leave_one_out`` (the exact ablation), sorted by LDS."""
-    data = intervals[intervals.answer == "all"]
-    panels = [("aopc_comprehensiveness", "", "AOPC of comprehensiveness (nats)"), ("lds", "", "LDS")]
-    if "leave_one_out" in set(data.versus):
-        panels.append(("lds", "leave_one_out", "LDS − leave_one_out's"))
-    order = data[(data.metric == "lds") & (data.versus == "")].sort_values("value", ascending=False).scorer
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(4.2 * len(panels), 0.35 * len(order) + 1.6), sharey=True
-    )
-    for ax, (metric, versus, label) in zip(np.atleast_1d(axes), panels, strict=True):
-        part = data[(data.metric == metric) & (data.versus == versus)].set_index("scorer").reindex(order)
-        y = np.arange(len(order))
-        ax.errorbar(part.value, y, xerr=[part.value - part.low, part.high - part.value], fmt="o", capsize=3)
-        ax.axvline(0, color="grey", linewidth=0.8, linestyle=":")
-        labels = [f"{name} (ref.)" if name in REFERENCES else name for name in order]
-        ax.set(xlabel=label, yticks=y, yticklabels=labels)
-    n = int(data.samples.max())
-    fig.suptitle(f"Faithfulness per scorer, mean over {n} samples with 95 % bootstrap intervals", y=1.02)
-    axes[0].invert_yaxis()
-    return fig
-
-
-def caption(args: argparse.Namespace, samples: int, with_loo: bool) -> str:
-    """What every figure of a run says about it: model, length, samples, tasks, which leave-one-out."""
-    rankers = " and of ".join(args.loo_rank_by or [LOO_RANKER])
-    pruned = f"pruned: exact on the top {args.loo_top_m} of {rankers} a sample"
-    loo = f"; leave_one_out {'exhaustive' if args.loo_top_m is None else pruned}" if with_loo else ""
-    length = "natural length" if args.length is None else f"{args.length} tokens"
-    explains = {"own": "; explaining the model's own answers", "gold": "; explaining the gold answers"}
-    about = (
-        f"{args.model}, {length}, {samples} samples ({', '.join(args.tasks)}){explains.get(args.explain, '')}"
-    )
-    return f"{about}{loo}; (ref.): a reference row"
-
-
-def captioned(fig: plt.Figure, about: str) -> plt.Figure:
-    """``fig`` with ``about`` written under it."""
-    fig.text(0.01, -0.01, about, fontsize=8, color="dimgrey", ha="left", va="top")
-    return fig
 
 
 def top_m(value: str) -> int | None:
@@ -430,12 +271,6 @@ def task_option(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"task options are KEY=NUMBER, got {text!r}") from None
 
 
-def options_of(task: str, given: list[tuple[str, float]]) -> dict[str, float]:
-    """The ``--task-options`` that ``task`` takes."""
-    accepted = inspect.signature(tasks.TASKS[task]).parameters
-    return {key: value for key, value in given if key in accepted}
-
-
 def study_folder(args: argparse.Namespace) -> Path:
     """``figures`` for the main job's default settings (any model and length: their files are named by
     both), else a folder of its own under ``figures/studies``, named by a hash of the settings."""
@@ -459,11 +294,6 @@ def study_folder(args: argparse.Namespace) -> Path:
 def tag_of(args: argparse.Namespace) -> str:
     """The model and length that name a study's files: ``smollm2-135m-1024``, ``…-natural``."""
     return f"{Path(args.model).name}-{length_of(args)}"
-
-
-def length_of(args: argparse.Namespace) -> int | str:
-    """The study's length as its files record it: a number of tokens, or ``"natural"``."""
-    return args.length or "natural"
 
 
 def detector_options(
@@ -585,146 +415,6 @@ def run_study(
         desc=f"detector_compare {args.model} (batches)",
         settings=settings,
     )
-
-
-def finished_study(args, out: Path, tag: str, names: list[str]) -> dict[str, pd.DataFrame]:
-    """The tables of the finished study in ``out`` (``metrics``, ``faithfulness`` and, where it has one,
-    ``layers``), after checking that they are the study ``args`` describe: its model, length, tasks,
-    samples and detectors. Raises SystemExit, before any model work, where they are not."""
-    files = {name: out / f"detector_{tag}_{name}.csv" for name in ("metrics", "faithfulness", "layers")}
-    missing = [str(path) for name, path in files.items() if name != "layers" and not path.exists()]
-    if missing:
-        raise SystemExit(
-            f"--rejudge: no finished study at {', '.join(missing)}; give the study's folder with --out "
-            "and its settings as it ran"
-        )
-    found = {
-        name: pd.read_csv(path, keep_default_na=False, na_values=[""])
-        for name, path in files.items()
-        if path.exists()
-    }
-    table = found["metrics"]
-    samples = {(task, args.seed + i) for task in args.tasks for i in range(args.samples)}
-    recorded = {
-        "model": (set(table.model), {args.model}),
-        "length": (set(table.length), {length_of(args)}),
-        "samples (task, seed)": (set(zip(table.task, table.seed, strict=True)), samples),
-        "detectors": (set(table.detector), set(names)),
-    }
-    wrong = [f"{what}: the study has {sorted(has)}, the arguments say {sorted(said)}"
-             for what, (has, said) in recorded.items() if has != said]  # fmt: skip
-    if wrong:
-        raise SystemExit(
-            f"--rejudge: {out} holds another study than the arguments describe; " + "; ".join(wrong)
-        )
-    return found
-
-
-def rejudged(found: dict[str, pd.DataFrame], args, model, tokenizer) -> dict[str, pd.DataFrame]:
-    """``found`` with each sample's ``generated`` and ``correct`` columns from a new greedy answer under
-    ``args.max_new_tokens`` (:func:`analyses.comparison.explained`; the columns of
-    :data:`~analyses.comparison.ANSWER_COLUMNS`); nothing else changes."""
-    answers = {}
-    samples = found["metrics"][["task", "seed"]].drop_duplicates().itertuples(index=False)
-    for task, seed in tqdm(list(samples), desc=f"detector_compare {args.model} (greedy answers)"):
-        sample = tasks.make(
-            task, tokenizer, args.length, seed, model=model, **options_of(task, args.task_options)
-        )
-        answers[task, seed] = explained(model, tokenizer, sample, "gold", args.max_new_tokens)[1]
-    tables = {}
-    for name, frame in found.items():
-        keys = list(zip(frame.task, frame.seed, strict=True))
-        columns = {column: [answers[key][column] for key in keys] for column in ANSWER_COLUMNS}
-        tables[name] = frame.assign(**columns)
-    return tables
-
-
-def saved_passes(
-    path: Path, model: str | None = None, length: int | None = None, dtype: str | None = None
-) -> pd.DataFrame:
-    """Every masked pass a study saved (:meth:`probe.faithfulness.Ablations.to_frame` rows with
-    ``model``, ``length`` and ``dtype``, its ``--dtype``, "" for the model's own): its
-    ``detector_*_ablations.csv.gz`` or, for ``path`` a study folder, that and the finished parts of a run
-    still going. With ``model`` / ``length`` / ``dtype``: refused unless the passes were run with that
-    model at that length in that dtype. Each sample's are told apart by digest (``sample``)."""
-    files = sorted(path.glob("detector_*_ablations.csv.gz")) if path.is_dir() else [path]
-    frames = [pd.read_csv(file, dtype={"removed": str, "dtype": str}) for file in files]
-    for parts in sorted(path.glob(".detector_*_parts")) if path.is_dir() else []:
-        running = running_tables(parts, ("ablations",))[1]["ablations"]
-        frames += [running] if not running.empty else []
-    columns = ["sample", "removed", "logprob", "correct", "model", "length", "dtype"]
-    saved = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
-    saved["dtype"] = saved.get("dtype", pd.Series(index=saved.index, dtype=str)).fillna(
-        ""
-    )  # before dtypes: ""
-    wrong = {
-        "model": model is not None and set(saved.model) - {model},
-        "length": length is not None and set(saved.length) - {length},
-        "dtype": dtype is not None and set(saved.dtype) - {dtype},
-    }
-    if any(wrong.values()):
-        held = ", ".join(f"{key} {sorted(set(saved[key]))}" for key in wrong)
-        asked = ", ".join(
-            f"{key} {value!r}" for key, value in zip(wrong, (model, length, dtype), strict=True)
-        )
-        raise InvalidValueError(
-            f"{path} holds passes of {held}, not of {asked}: pass that study's file or none"
-        )
-    return saved
-
-
-def running_tables(parts: Path, names: tuple[str, ...]) -> tuple[dict, dict[str, pd.DataFrame]]:
-    """A running study's recorded settings and, for each table of ``names``, the rows of its finished
-    parts (``parts``: its ``.detector_*_parts`` folder) with ``model``, ``length`` and ``dtype`` ("" for
-    the model's own) as its finished outputs get them; a table no part holds is empty."""
-    recorded = json.loads((parts / "settings.json").read_text())
-    about = {"model": recorded["model"], "length": recorded["length"], "dtype": recorded.get("dtype") or ""}
-    tables = [pd.read_pickle(part) for part in sorted(parts.glob("*.pkl"))]
-    found = {name: [table[name] for table in tables if name in table] for name in names}
-    return recorded, {
-        name: pd.concat(rows, ignore_index=True).assign(**about) if rows else pd.DataFrame()
-        for name, rows in found.items()
-    }
-
-
-def write_outputs(
-    found: dict[str, pd.DataFrame], args, out: Path, tag: str, names: list[str]
-) -> pd.DataFrame:
-    """Every table and figure of the study from its tables ``found``; its metrics table."""
-    settings = {"model": args.model, "length": length_of(args)}
-    table = found["metrics"].assign(**settings)
-    faithful = found["faithfulness"].assign(**settings)
-    layers = [found["layers"]] if "layers" in found and not found["layers"].empty else []
-    atomic_write(out / f"detector_{tag}_metrics.csv", lambda tmp: table.to_csv(tmp, index=False))
-    if "ablations" in found:  # every masked pass, for judging other scores on these samples later
-        passes = found["ablations"].assign(**settings, dtype=args.dtype or "")
-        atomic_write(
-            out / f"detector_{tag}_ablations.csv.gz",
-            lambda tmp: passes.to_csv(tmp, index=False, compression="gzip"),
-        )
-    about = caption(args, table.drop_duplicates(["task", "seed"]).shape[0], "leave_one_out" in names)
-    fig, shares = plot_categories(table)
-    save_figure(captioned(fig, about), shares, out, f"detector_{tag}_categories")
-    fig, summary = plot_scores(table)
-    save_figure(captioned(fig, about), summary, out, f"detector_{tag}_scores")
-    if layers:
-        layer_table = layers[0]
-        save_figure(captioned(plot_layers(layer_table), about), layer_table, out, f"detector_{tag}_layers")
-    save_figure(captioned(plot_deletion(faithful), about), faithful, out, f"detector_{tag}_faithfulness")
-    intervals = faithfulness_intervals(faithful)
-    save_figure(captioned(plot_intervals(intervals), about), intervals, out, f"detector_{tag}_intervals")
-    ranks = rank_table(table, faithful)
-    markdown = ranks_markdown(ranks, intervals)
-    atomic_write(out / f"detector_{tag}_ranks.csv", lambda tmp: ranks.to_csv(tmp, index=False))
-    atomic_write(out / f"detector_{tag}_ranks.md", lambda tmp: tmp.write_text(markdown))
-    if "leave_one_out" in names:  # the held-out protocol's verdicts against the ablation reference
-        verdicts = verdicts_markdown(faithful, intervals)
-        atomic_write(out / f"detector_{tag}_verdicts.md", lambda tmp: tmp.write_text(verdicts))
-    accuracy = table.drop_duplicates(["task", "seed"]).groupby("task").correct.mean()
-    print(f"accuracy by task:\n{accuracy.to_string()}\n\n{summary.round(3).to_string(index=False)}")
-    print(f"\nfaithfulness:\n{faithfulness_summary(faithful).round(3).to_string(index=False)}")
-    print(f"\n{markdown}")
-    return table
 
 
 if __name__ == "__main__":

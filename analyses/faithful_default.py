@@ -18,7 +18,8 @@ candidates are tried on them without running the model again.
 Only development seeds: no sample of the held-out study (seeds 5000–5005), the HotpotQA study (seeds
 0–31) or the default's judged run may be used here.
 
-    python -m analyses.faithful_default --model smollm2-135m --seeds 7000 7001 7002 --out figures/studies/faithful_default_dev
+    python -m analyses.faithful_default --model smollm2-135m --seeds 7000 7001 7002 \
+        --out figures/studies/faithful_default_dev
 """
 
 from __future__ import annotations
@@ -91,22 +92,23 @@ def candidates(about: dict, measured: dict) -> list[dict]:
     drops, kept, actual = measured["drops"], measured["kept"], measured["actual"]
     reference = faithfulness.lds(drops, kept, actual)
     top = int(torch.argmax(drops))
-    rows = [{**about, "scorer": "leave_one_out", "rankers": "", "budget": len(drops), "lds": reference,
-             "lds_minus_loo": 0.0, "top_source_found": True, "cost": len(drops) * measured["removal"]}]  # fmt: skip
+
+    def row(scorer: str, rankers: str, budget: int, scores: torch.Tensor, found: bool, cost: float) -> dict:
+        lds = faithfulness.lds(scores, kept, actual)
+        return {**about, "scorer": scorer, "rankers": rankers, "budget": budget, "lds": lds,
+                "lds_minus_loo": lds - reference, "top_source_found": found, "cost": cost}  # fmt: skip
+
+    rows = [row("leave_one_out", "", len(drops), drops, True, len(drops) * measured["removal"])]
     for name, ranking in measured["rankings"].items():
-        rows.append({**about, "scorer": name, "rankers": name, "budget": 0, "lds": faithfulness.lds(ranking, kept, actual),
-                     "top_source_found": int(torch.argmax(ranking)) == top, "cost": measured["costs"][name]})  # fmt: skip
+        rows.append(row(name, name, 0, ranking, int(torch.argmax(ranking)) == top, measured["costs"][name]))
     for rankers, budget in itertools.product(RANKER_SETS, BUDGETS):
         ranking = torch.stack([measured["rankings"][name] for name in rankers])
         chosen = pruned_sources(ranking, budget)
         scores = pruned_estimate(ranking[0], chosen, drops[chosen])
         passes = {"shared" if name in SHARED else name: measured["costs"][name] for name in rankers}
-        rows.append({**about, "scorer": f"{'+'.join(rankers)} top {budget}", "rankers": "+".join(rankers),
-                     "budget": budget, "lds": faithfulness.lds(scores, kept, actual),
-                     "top_source_found": top in chosen.tolist() and int(torch.argmax(scores)) == top,
-                     "measured": len(chosen), "cost": sum(passes.values()) + (len(chosen) + 1) * measured["removal"]})  # fmt: skip
-    for row in rows:
-        row["lds_minus_loo"] = row["lds"] - reference
+        cost = sum(passes.values()) + (len(chosen) + 1) * measured["removal"]
+        found = top in chosen.tolist() and int(torch.argmax(scores)) == top
+        rows.append(row(f"{'+'.join(rankers)} top {budget}", "+".join(rankers), budget, scores, found, cost))
     return rows
 
 
@@ -116,9 +118,11 @@ def summary(rows: pd.DataFrame) -> pd.DataFrame:
     records = []
     for (model, scorer), part in rows.groupby(["model", "scorer"], sort=False):
         estimate = stats.bootstrap(part.lds_minus_loo.to_numpy())
-        records.append({"model": model, "scorer": scorer, "lds_minus_loo": estimate.value, "low": estimate.low,
-                        "high": estimate.high, "top_source_found": part.top_source_found.mean(),
-                        "cost": part.cost.mean(), "samples": estimate.n})  # fmt: skip
+        records.append(
+            {"model": model, "scorer": scorer, "lds_minus_loo": estimate.value, "low": estimate.low,
+             "high": estimate.high, "top_source_found": part.top_source_found.mean(),
+             "cost": part.cost.mean(), "samples": estimate.n}
+        )  # fmt: skip
     return pd.DataFrame(records).sort_values(["model", "low"], ascending=[True, False])
 
 
@@ -136,7 +140,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args = parser.parse_args(argv)
     if set(args.seeds) & (set(range(5000, 5006)) | set(range(32))):
         parser.error(
-            "--seeds: the held-out study's (5000–5005) and the HotpotQA study's (0–31) are not for development"
+            "--seeds: the held-out study's (5000–5005) and the HotpotQA study's (0–31) are not for "
+            "development"
         )
     model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)

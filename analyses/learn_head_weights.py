@@ -33,11 +33,12 @@ import seaborn as sns
 import torch
 
 import probe
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load
-from analyses.output import atomic_write, save_figure
-from analyses.sweep import sweep
 from probe import at2, detectors, faithfulness, stats, tasks
 from probe.attribution import AnswerAttribution, answer_attribution
+
+from .arguments import add_device_arguments, check_device_arguments, check_out, load
+from .output import atomic_write, save_figure
+from .sweep import sweep
 
 READ_OFF = ("information_flow", "attention", "embedding_grad", "grad_times_input")
 COMPARED = ("at2", *READ_OFF, "key_removal_grad")

@@ -22,10 +22,11 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
-from analyses.output import save_figure
-from analyses.sweep import sweep
 from probe import answer, denoise, tasks
+
+from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
+from .output import save_figure
+from .sweep import sweep
 
 NAME = "noise_restraint"
 STEPS = [0.001, 0.01, 0.1, 1.0, 10.0]  # lr·β, from "the loss barely moves" to "the input is destroyed"

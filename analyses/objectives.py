@@ -82,13 +82,14 @@ import torch
 from tqdm.auto import tqdm
 
 import probe
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
-from analyses.output import atomic_write, save_figure
-from analyses.sweep import Tables, sweep
 from probe import answer, tasks
 from probe.checks import check_layers, model_context
 from probe.denoise import answer_attention, category_mass
 from probe.objectives import cdt_loss, logo_loss, longce_target_loss, sequence_logprob
+
+from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
+from .output import atomic_write, save_figure
+from .sweep import Tables, sweep
 
 NAME = "objectives"
 TASK = "multihop-1"

@@ -41,12 +41,13 @@ import pandas as pd
 import seaborn as sns
 
 import probe
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
-from analyses.output import atomic_write, save_figure
-from analyses.sweep import Tables, is_main_process, sweep
 from probe import answer, tasks
 from probe.checks import model_context
 from probe.results import write_json
+
+from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
+from .output import atomic_write, save_figure
+from .sweep import Tables, is_main_process, sweep
 
 NAME = "retrieval_heads"
 ABLATION_SEED = 1000  # ablation samples use seeds from here on: never the detection samples

@@ -26,12 +26,13 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
-from analyses.output import save_figure
-from analyses.sweep import sweep
 from probe import answer, tasks
 from probe.atomic import atomic_write
 from probe.models import REAL_MODELS
+
+from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
+from .output import save_figure
+from .sweep import sweep
 
 NAME = "task_accuracy"
 KEYS = ["model", "task", "length", "seed"]

@@ -43,8 +43,8 @@ Exhaustive leave-one-out's source scores are kept in ``--exhaustive-dir`` (defau
 folder of the invocation), so that the other ``loo_*`` rows compare with them without running it
 again; a row without them there runs it first, untimed.
 
-    python bench/ablation_speed.py                        # SmolLM2-135M at 1K tokens
-    python bench/ablation_speed.py --model gemma3-270m --lengths 1024 4096 --csv out.csv
+    python -m bench.ablation_speed                        # SmolLM2-135M at 1K tokens
+    python -m bench.ablation_speed --model gemma3-270m --lengths 1024 4096 --csv out.csv
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ import time
 from pathlib import Path
 
 import pandas as pd
-from harness import bench_parser, load, measure, report, run_bench
+
+from bench.harness import bench_parser, load, measure, report, run_bench
 
 MASK_METHODS = {
     "key_masking": dict(reuse_prefix=False, compact=False),
@@ -235,11 +236,15 @@ def _main(args: argparse.Namespace, exhaustive_dir: Path) -> pd.DataFrame:
     forwarded = ["--threads", str(args.threads), "--loo-samples", str(args.loo_samples)]
     forwarded += ["--exhaustive-dir", str(exhaustive_dir)]
     if args.child:
-        return run_bench(args, __file__, forwarded, child, "")
+        return run_bench(args, __spec__.name, forwarded, child, "")
     tables = []
     for model in args.models or [args.model]:
         one = run_bench(
-            argparse.Namespace(**{**vars(args), "model": model, "csv": None}), __file__, forwarded, child, ""
+            argparse.Namespace(**{**vars(args), "model": model, "csv": None}),
+            __spec__.name,
+            forwarded,
+            child,
+            "",
         )
         tables.append(one.assign(model=model))
     table = pd.concat(tables, ignore_index=True)

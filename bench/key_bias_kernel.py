@@ -9,7 +9,7 @@ so), which CUDA still uses. Per model and length, on one sample (multihop-2, see
 seconds on both kernels, their ratio, the ratio to ``information_flow`` (the one-pass goal's
 yardstick: ≤ 1.5×), and the largest difference between the two kernels' source scores.
 
-    python bench/key_bias_kernel.py --csv bench/results/key_bias_kernel.csv
+    python -m bench.key_bias_kernel --csv bench/results/key_bias_kernel.csv
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from unittest import mock
 
 import pandas as pd
 import torch
-from harness import load
 
+from bench.harness import load
 from probe import attention, detectors, modifiers, tasks
 from probe.atomic import atomic_write
 

@@ -22,8 +22,8 @@ downloaded) at 32K, 64K and 128K, peak memory from ``torch.cuda.max_memory_alloc
 need ``pip install longppl==0.3.0`` and ``--tokenizer`` (a folder with any tokenizer whose ids fit the
 vocabulary, e.g. SmolLM2's, copied from ``~/.cache/longprobe/models``).
 
-    python bench/long_context.py --csv bench/results/long_context_cpu.csv
-    python bench/long_context.py --device cuda --tokenizer tok/ --csv bench/results/long_context_gpu.csv
+    python -m bench.long_context --csv bench/results/long_context_cpu.csv
+    python -m bench.long_context --device cuda --tokenizer tok/ --csv bench/results/long_context_gpu.csv
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import functools
 import json
 
 import pandas as pd
-from harness import add_ratios, bench_parser, device_arguments, load, measure, report, run_children
+
+from bench.harness import add_ratios, bench_parser, device_arguments, load, measure, report, run_children
 
 METHODS = (
     "forward",
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         if args.tokenizer is None:
             jobs = [(method, length) for method, length in jobs if not method.startswith("longppl")]
         forwarded = ["--model", model, *device_arguments(args), "--targets", str(args.targets)]
-        table = run_children(__file__, forwarded, jobs)
+        table = run_children(__spec__.name, forwarded, jobs)
         table = add_ratios(table, "forward")
         if "forward_backward" in set(table.method):  # GPU: the issue's baseline for the probe
             table = add_ratios(table, "forward_backward")

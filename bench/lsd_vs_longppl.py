@@ -1,9 +1,10 @@
 """``probe.longppl`` against the official PyPI package ``longppl`` 0.3.0: key tokens, time, peak memory.
 
 The official package is installed ``--no-deps`` into a throwaway folder for this run only (it is no
-dependency of longprobe) and called as ``longppl.longppl.compute_longppl``. Every method runs on the
-same model (evaluator = evaluated model), text (Paul Graham essays), K and d, each in its own child
-process measured by ``bench/harness.py`` (peak RSS above the warmed-up model, wall time):
+dependency of longprobe) and called as ``longppl.longppl.compute_longppl`` (its file imported by path).
+Every method runs on the same model (evaluator = evaluated model), text (Paul Graham essays), K and d,
+each in its own child process measured by ``bench/harness.py`` (peak RSS above the warmed-up model, wall
+time):
 
 - ``official``: ``compute_longppl(text, model, model, tokenizer, tokenizer, trunc_len=K, sliding_window=d)``;
 - ``ours_official``: ``probe.longppl(..., official=True)`` — the official choices, our implementation;
@@ -13,13 +14,14 @@ process measured by ``bench/harness.py`` (peak RSS above the warmed-up model, wa
 Key-token agreement compares the key character spans of each of ours with the official package's
 ``find_key_token`` (run after the measurement, in the same child).
 
-    python bench/lsd_vs_longppl.py                          # SmolLM2, 4K tokens, K=1024, d=512
-    python bench/lsd_vs_longppl.py --lengths 4096 8192 --csv bench/results/lsd_vs_longppl.csv
+    python -m bench.lsd_vs_longppl                          # SmolLM2, 4K tokens, K=1024, d=512
+    python -m bench.lsd_vs_longppl --lengths 4096 8192 --csv bench/results/lsd_vs_longppl.csv
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -27,7 +29,16 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
-from harness import add_device_arguments, add_ratios, device_arguments, load, measure, report, run_children
+
+from bench.harness import (
+    add_device_arguments,
+    add_ratios,
+    device_arguments,
+    load,
+    measure,
+    report,
+    run_children,
+)
 
 METHODS = ("official", "ours_official", "ours")
 OFFICIAL = "longppl==0.3.0"
@@ -46,6 +57,15 @@ def essay_text(tokenizer, length: int, K: int, d: int) -> str:
     raise RuntimeError("no cut avoids a 1-token last window")
 
 
+def official_module(target: Path):
+    """The official package's ``longppl/longppl.py`` installed under ``target``, imported from its file
+    (it imports no sibling of its package), so that nothing is added to the import path."""
+    spec = importlib.util.spec_from_file_location("longppl_official", target / "longppl" / "longppl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run_child(method: str, length: int, args: argparse.Namespace) -> dict:
     """Run one method once in this (fresh) process: seconds, peak MiB, n_key, key spans."""
     import torch
@@ -56,8 +76,8 @@ def _run_child(method: str, length: int, args: argparse.Namespace) -> dict:
     model, tokenizer = load(args.model, args.device, args.dtype)
     text = essay_text(tokenizer, length, args.K, args.d)
     if method != "ours":
-        sys.path.insert(0, args.official_path)
-        from longppl.longppl import compute_longppl, find_key_token
+        official = official_module(Path(args.official_path))
+        compute_longppl, find_key_token = official.compute_longppl, official.find_key_token
 
     def run() -> dict:
         if method == "official":
@@ -129,7 +149,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             *device_arguments(args),
         ]
         jobs = [(method, length) for length in args.lengths for method in args.methods]
-        table = add_ratios(run_children(__file__, [*child_args, "--official-path", target], jobs), "official")
+        table = add_ratios(
+            run_children(__spec__.name, [*child_args, "--official-path", target], jobs), "official"
+        )
     official = table[table.method == "official"].set_index("length")
     reference = {length: key_characters(spans) for length, spans in official.spans.items()}
     table["n_key_spans"] = table.spans.map(len)

@@ -16,9 +16,9 @@ by the child just before its run (the machine has 2 cores).
   64 tokens (the pass of ``key_removal_banzhaf``: the key bias on the CPU flash kernel, its masks
   under the planner's ``key_bias`` term), predicted with the same bias active.
 
-    python bench/planner_validation.py --csv bench/results/planner_validation.csv
-    python bench/planner_validation.py --models smollm2-135m --lengths 1024 2048   # quick
-    python bench/planner_validation.py --measured a.csv b.csv --csv out.csv   # re-predict, no re-run
+    python -m bench.planner_validation --csv bench/results/planner_validation.csv
+    python -m bench.planner_validation --models smollm2-135m --lengths 1024 2048   # quick
+    python -m bench.planner_validation --measured a.csv b.csv --csv out.csv   # re-predict, no re-run
 
 ``--measured`` takes the measured peaks of earlier runs (this script's CSVs, or
 ``bench/long_context.py``'s ``information_flow`` rows) and sets the current planner's prediction
@@ -33,7 +33,8 @@ import os
 from pathlib import Path
 
 import pandas as pd
-from harness import bench_parser, device_arguments, load, measure, report, run_children
+
+from bench.harness import bench_parser, device_arguments, load, measure, report, run_children
 
 METHODS = ("plain", "checkpointed", "key_bias")
 SOURCE_TOKENS = 64  # tokens per source of the key_bias method
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         jobs = [(method, length) for length in args.lengths for method in args.methods]
         forwarded = ["--model", model, *device_arguments(args), "--targets", str(args.targets)]
         forwarded += ["--threads", str(args.threads)]
-        table = run_children(__file__, forwarded, jobs)
+        table = run_children(__spec__.name, forwarded, jobs)
         tables.append(table.assign(model=model))
     table = pd.concat(tables, ignore_index=True)
     table = table.assign(ratio=table.peak_mib / table.predicted_mib)

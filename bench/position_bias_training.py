@@ -7,27 +7,23 @@ one after another (:func:`probe.attention_only.train`), then together
 one process and the table keeps the median time per step of all networks and the ratio. The
 trained weights of the two ways are compared too (they must agree to float rounding).
 
-    python bench/position_bias_training.py --csv bench/results/position_bias_training.csv
-    python bench/position_bias_training.py --device cuda      # where a GPU is lent
+    python -m bench.position_bias_training --csv bench/results/position_bias_training.csv
+    python -m bench.position_bias_training --device cuda      # where a GPU is lent
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `probe` without an install
-
-from harness import report  # noqa: E402
-
-from probe.attention_only import AttentionOnly, SANConfig, train, train_together  # noqa: E402
-from probe.tasks.classification import InContextClassification  # noqa: E402
+from bench.harness import report
+from probe.attention_only import AttentionOnly, SANConfig, train, train_together
+from probe.tasks.classification import InContextClassification
 
 
 def networks(config: SANConfig, seeds: list[int], device: str) -> list[AttentionOnly]:

@@ -10,7 +10,7 @@ seeds 0–11 by default; one thread): the seconds of the shared pass plus the ow
 and of the one pass (``shared``), alternating which runs first, their ratio, and the largest
 difference between the two key-removal gradients.
 
-    python bench/shared_pass.py --csv bench/results/shared_pass.csv
+    python -m bench.shared_pass --csv bench/results/shared_pass.csv
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 
 import pandas as pd
 import torch
-from harness import load, report, samples_parser
 
+from bench.harness import load, report, samples_parser
 from probe import detectors, tasks
 from probe.key_removal import key_removal_gradient
 

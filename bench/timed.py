@@ -1,8 +1,8 @@
 """Run a command and record what it cost, where and under which load: the file behind a number the
 README quotes (``make figures RECORD=1``, ``make test RECORD=1``).
 
-    python bench/timed.py bench/results/make_test.json -- .venv/bin/python -m pytest -q
-    python bench/timed.py --readme     # rewrite README's block of recorded runs from the files
+    python -m bench.timed bench/results/make_test.json -- .venv/bin/python -m pytest -q
+    python -m bench.timed --readme     # rewrite README's block of recorded runs from the files
 
 The record (JSON): the command, its exit code, wall seconds, the peak resident memory of its largest
 process (``peak_rss_gib``: ``getrusage``'s children's maximum), the UTC start, and the machine at the

@@ -1,6 +1,6 @@
 """Writing a file so that it is never left half-written: the one way longprobe writes its outputs.
 
-Standard library only, on purpose: the peers' runners (``bench/peers/peer_io.py``) load this file by its
+Standard library only, on purpose: the peers' runners (``analyses/peers/peer_io.py``) load this file by its
 path inside the peers' own environments, where longprobe is not installed, and write their journals with
 the same :func:`atomic_write`.
 """

@@ -86,7 +86,7 @@ class AnswerToken:
     default, so a gradient probe's k results under them sum to its default result. Why explain the
     tokens apart: a token the model is sure of (p_t → 1) has ∂ log p_t → 0 and vanishes from the whole
     answer's gradient, though it may depend on the context as much as the others
-    (``bench/answer_token_split.py``)."""
+    (``analyses/answer_token_split.py``)."""
 
     index: int
 

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analyses import claims
+from analyses import claims, length_ranking
 from analyses.claims import Measured, verdict
 from probe.stats import Estimate
 
@@ -140,11 +140,11 @@ def test_a_study_still_running_is_ranked_on_the_samples_its_finished_parts_hold(
             dict(detector=["leave_one_out", "attention"], task="kv", seed=seed, passes=[4, 1])
         )
         pd.to_pickle({"faithfulness": faithful, "metrics": metrics}, parts / f"kv__{seed}.pkl")
-    ranking = claims.ranking_by_length(tmp_path)
+    ranking = length_ranking.ranking_by_length(tmp_path)
     assert set(ranking.n) == {2} and set(ranking.planned) == {6} and ranking.running.all()
     assert set(ranking.loo_reference) == {"exhaustive"}
     assert ranking.set_index("scorer").lds["attention"] == pytest.approx(0.25)
-    table = claims.ranking_markdown(ranking)
+    table = length_ranking.ranking_markdown(ranking)
     assert "m 4K held-out (n = 2 of 6, running; exhaustive leave-one-out)" in table
     assert "| `attention` | 0.25 (no interval) |" in table and "#" not in table  # 2 samples: no rank
     (claim,) = claims.evaluate(tmp_path, ["flow_vs_attention_4k_held-out"]).itertuples()
@@ -160,7 +160,7 @@ def test_each_study_says_how_its_leave_one_out_reference_ran(tmp_path, passes, e
         {"detector": "leave_one_out", "task": "t", "seed": [0, 1], "passes": passes or [0, 0]}
     )
     metrics = metrics if passes is not None else metrics.iloc[:0]
-    assert claims.loo_reference(metrics, faithful) == expected
+    assert length_ranking.loo_reference(metrics, faithful) == expected
 
 
 @pytest.mark.parametrize(
@@ -172,4 +172,4 @@ def test_each_study_says_how_its_leave_one_out_reference_ran(tmp_path, passes, e
     ],
 )
 def test_a_study_is_filed_under_the_task_set_that_holds_all_its_tasks(names, expected):
-    assert claims.task_set(names) == expected
+    assert length_ranking.task_set(names) == expected

@@ -11,7 +11,7 @@ import torch
 from conftest import run_argv
 
 import probe
-from analyses import comparison, detector_compare
+from analyses import comparison, detector_compare, study_files
 from probe import tasks
 from probe.errors import InvalidValueError
 
@@ -155,7 +155,7 @@ def test_a_run_reads_another_studys_saved_passes_and_gets_the_same_numbers(
 
 def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_are_refused(tmp_path):
     """``saved_passes`` reads a finished study's passes and a running one's finished parts (the peers'
-    judgement and ``bench/ceiling_masks.py`` read them), and refuses passes of another model."""
+    judgement and ``analyses.ceiling_masks`` read them), and refuses passes of another model."""
     passes = pd.DataFrame({"sample": ["s1"], "removed": ["0010"], "logprob": [-1.5], "correct": [True]})
     parts = tmp_path / ".detector_m-1024_parts"
     parts.mkdir()
@@ -164,11 +164,11 @@ def test_a_study_in_progress_lends_its_finished_parts_passes_and_another_models_
     pd.to_pickle({"metrics": pd.DataFrame()}, parts / "kv__0.pkl")  # a part from before passes were kept
     done = passes.assign(sample="s2", model="m", length=1024)
     done.to_csv(tmp_path / "detector_m-1024_ablations.csv.gz", index=False, compression="gzip")
-    saved = detector_compare.saved_passes(tmp_path, "m", 1024)
+    saved = study_files.saved_passes(tmp_path, "m", 1024)
     assert sorted(saved["sample"]) == ["s1", "s2"] and set(saved.removed) == {"0010"}
     assert set(saved.dtype) == {""}  # the model's own: a part's recorded --dtype, a file from before dtypes
-    assert detector_compare.saved_passes(tmp_path).equals(saved)
+    assert study_files.saved_passes(tmp_path).equals(saved)
     with pytest.raises(InvalidValueError, match="not of model 'other'"):
-        detector_compare.saved_passes(tmp_path, "other", 1024)
+        study_files.saved_passes(tmp_path, "other", 1024)
     with pytest.raises(InvalidValueError, match="dtype 'bfloat16'"):
-        detector_compare.saved_passes(tmp_path, "m", 1024, "bfloat16")
+        study_files.saved_passes(tmp_path, "m", 1024, "bfloat16")

@@ -10,7 +10,6 @@ Llama and Gemma 3, nested modifiers, the architecture zoo, the real models at 1K
 
 import functools
 import json
-import math
 
 import numpy as np
 import pandas as pd
@@ -112,16 +111,6 @@ def test_leave_one_out_finds_the_needle_a_hand_built_model_copies(tokenizer):
     assert sample.sources[int(cite.details["source_scores"].argmax())] == top
 
 
-def test_lds_is_one_for_a_planted_additive_model_and_near_zero_for_noise():
-    generator = torch.Generator().manual_seed(0)
-    weights = torch.randn(40, generator=generator)
-    kept = faithfulness.random_masks(40, 2000, seed=1)
-    actual = kept.double() @ weights.double() + 3.0
-    assert faithfulness.lds(weights, kept, actual) == pytest.approx(1.0)
-    assert abs(faithfulness.lds(torch.randn(40, generator=generator), kept, actual)) < 0.1
-    assert math.isnan(faithfulness.lds(torch.zeros(40), kept, actual))  # a constant prediction
-
-
 def test_contextcites_lasso_recovers_planted_weights_in_target_units():
     """``lasso_surrogate``: weights per source kept (the standardization undone), 0 for a source no mask
     varies, predictions additive in those weights."""
@@ -155,15 +144,6 @@ def test_source_scores_by_hand(sample):
         faithfulness.source_scores(token_scores, [])
 
 
-def test_top_k_masks_break_ties_by_position():
-    masks = faithfulness.top_k_masks(torch.tensor([0.0, 2.0, 1.0, 2.0]), ks=(1, 2, 8))
-    assert masks.tolist() == [
-        [False, True, False, False],
-        [False, True, False, True],
-        [True, True, True, True],
-    ]
-
-
 def test_evaluate_reports_the_drops_of_its_own_masks(model, sample):
     truth = faithfulness.ground_truth_scores(sample)
     frame = faithfulness.evaluate(model, sample, {"truth": truth}, ks=(1, 2), n_masks=6)
@@ -176,25 +156,6 @@ def test_evaluate_reports_the_drops_of_its_own_masks(model, sample):
     assert row["comprehensiveness_k2"] == pytest.approx(float(full - removed[1]), abs=ATOL)
     assert row["sufficiency_k1"] == pytest.approx(float(full - kept[0]), abs=ATOL)
     assert row["aopc_comprehensiveness"] == pytest.approx(float((full - removed).mean()), abs=ATOL)
-
-
-def test_the_additive_ceiling_recovers_an_additive_model_exactly():
-    generator = torch.Generator().manual_seed(0)
-    weights = torch.randn(12, generator=generator)
-    kept = faithfulness.random_masks(12, 256, seed=3)
-    recovered = faithfulness.additive_ceiling(kept, kept.float() @ weights - 2.0)
-    assert torch.allclose(recovered, weights, atol=1e-3)
-
-
-def test_the_ceilings_masks_are_its_own_draw_less_every_lds_mask():
-    """With 3 sources the 8 possible masks repeat, so the draw meets the LDS masks and drops them."""
-    lds_masks = faithfulness.random_masks(3, 4, seed=2)
-    draw = faithfulness.random_masks(3, 40, seed=2 + masks.CEILING_SEED)
-    lds_rows = {tuple(mask.tolist()) for mask in lds_masks}
-    expected = [mask.tolist() for mask in draw if tuple(mask.tolist()) not in lds_rows]
-    fit = faithfulness.additive_ceiling_masks(lds_masks, 40, seed=2)
-    assert 0 < len(fit) < 40 and fit.tolist() == expected
-    assert faithfulness.additive_ceiling_masks(lds_masks, 0, seed=2).shape == (0, 3)  # no ceiling: none
 
 
 def test_evaluate_fits_the_ceiling_on_its_own_masks_and_shares_are_of_its_lds(model, sample):

@@ -9,7 +9,7 @@ import pytest
 from scipy.stats import pearsonr
 
 import probe.stats
-from analyses import longppl
+from analyses import longppl, longppl_tables
 from analyses.sweep import part_name
 
 TASKS = ["passkey", "niah", "multihop-1"]
@@ -61,12 +61,12 @@ def test_resume_reruns_only_the_missing_job_and_writes_the_same_outputs(
         f"{tiny_model_folder.name} {s}" for s in ["W=16", "W=full", "W=full, RoPE base ×0.1"]
     ]
     assert {f"accuracy_{task}" for task in TASKS} < set(variants.columns)
-    assert (variants.n_key_tokens > 0).all() and variants[list(longppl.METRICS)].notna().all().all()
+    assert (variants.n_key_tokens > 0).all() and variants[list(longppl_tables.METRICS)].notna().all().all()
     assert variants.accuracy.equals(variants[[f"accuracy_{task}" for task in TASKS]].mean(axis=1))
     table = pd.read_csv(tmp_path / "longppl_correlation_table.csv")
     assert list(table.columns) == ["metric", "method", "r", "low", "high", "n"]
     assert table[["metric", "method"]].values.tolist() == [
-        [m, k] for m in longppl.METRICS for k in longppl.METHODS
+        [m, k] for m in longppl_tables.METRICS for k in longppl_tables.METHODS
     ]
 
     (parts / f"{part_name(('task', str(tiny_model_folder), 16, 1.0, 'niah', 1))}.pkl").unlink()

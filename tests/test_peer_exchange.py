@@ -1,4 +1,4 @@
-"""The peers' exchange (bench/peers/exchange.py) round trip through a fake peer in another process."""
+"""The peers' exchange (``analyses.peers.exchange``) round trip through a fake peer in another process."""
 
 import argparse
 import json
@@ -17,13 +17,11 @@ import torch
 from transformers import AutoTokenizer
 
 import probe
+from analyses.peers import exchange
 from probe import tasks
 from probe.models import converted_folder
 
-PEERS = Path(__file__).resolve().parents[1] / "bench" / "peers"
-sys.path.insert(0, str(PEERS))
-
-import exchange  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +38,8 @@ def model():
 
 def test_a_peer_round_trip_is_judged_like_our_detectors(samples, model, tmp_path):
     exported = exchange.export(samples, "model-folder", tmp_path / "samples.jsonl")
-    subprocess.run([sys.executable, str(PEERS / "fake_peer.py"), str(exported), str(tmp_path / "out.jsonl")],
-                   check=True)  # fmt: skip
+    fake_peer = [sys.executable, "-m", "analyses.peers.fake_peer", str(exported), str(tmp_path / "out.jsonl")]
+    subprocess.run(fake_peer, cwd=ROOT, check=True)  # a runner runs from the repository root
     scores = exchange.read_scores(tmp_path / "out.jsonl", samples)
     for sample in samples:
         spans = [sample.char_spans[s.category][s.index] for s in sample.sources]
@@ -129,7 +127,7 @@ def test_a_runner_finds_longprobes_tokens_answer_and_sources_with_its_own_tokeni
     added <bos> included), the answer's positions and each token's source, checked token by token."""
     import json
 
-    import peer_io
+    from analyses.peers import peer_io
 
     tokenizer = AutoTokenizer.from_pretrained(converted_folder(name))
     sample = tasks.make("document-2", tokenizer, 300, seed=1)
@@ -151,7 +149,7 @@ def test_a_peer_that_reads_text_alone_gets_longprobes_added_tokens_written_out(n
     the exported ids, and moves the sources with it; a sample whose ids do not match is refused."""
     import json
 
-    import peer_io
+    from analyses.peers import peer_io
 
     tokenizer = AutoTokenizer.from_pretrained(converted_folder(name))
     sample = tasks.make("document-2", tokenizer, 300, seed=1)
@@ -167,7 +165,7 @@ def test_a_peer_that_reads_text_alone_gets_longprobes_added_tokens_written_out(n
 
 def test_cutting_a_source_out_takes_the_whitespace_before_it_and_keeps_the_text_between():
     """``peer_io.cut_out``: ContextCite's ablation (its runner's ``SpanPartitioner``), by hand."""
-    import peer_io
+    from analyses.peers import peer_io
 
     text = "Facts:  Ann is in the hall.\n\nBob has the key. Question?"
     sources = [[8, 27], [29, 45]]  # "Ann is in the hall." and "Bob has the key."
@@ -184,7 +182,7 @@ def test_cutting_a_source_out_takes_the_whitespace_before_it_and_keeps_the_text_
 def test_a_killed_run_resumes_where_it_stopped_and_writes_its_answers_once(tmp_path):
     """``peer_io.resumable``: finished lines survive a kill (a cut-off last line is run again), no job
     runs twice, and the answers file appears only when every job has its line."""
-    import peer_io
+    from analyses.peers import peer_io
 
     out, ran = tmp_path / "scores.jsonl", []
 
@@ -211,7 +209,7 @@ def test_a_killed_run_resumes_where_it_stopped_and_writes_its_answers_once(tmp_p
 def test_a_journal_is_rewritten_without_its_cut_line_and_never_shortened_by_a_kill(tmp_path):
     """``peer_io.journaled`` drops a last line cut off by a kill and rewrites the journal by one rename: a
     kill while the new file is written leaves the old journal whole, and no temporary file stays."""
-    import peer_io
+    from analyses.peers import peer_io
 
     journal = tmp_path / "out.jsonl.partial"
     whole = '{"key": "a"}\n{"key": "b"}\n'
@@ -233,7 +231,7 @@ def test_a_runners_seconds_are_cpu_seconds_and_a_too_long_answer_is_a_failure_th
     """``peer_io.run`` times the scoring with the process's CPU clock: a method that waits (another job
     on the core, a paused run) costs nothing extra, one that computes costs its computing; a sample
     whose answer is longer than ``--max-answer-tokens`` is not scored and its line says why."""
-    import peer_io
+    from analyses.peers import peer_io
 
     exported = tmp_path / "samples.jsonl"
     line = '{{"key": "{}", "model": "m", "input_ids": [1, 2, 3, 4], "prompt_tokens": {}}}\n'
@@ -259,7 +257,7 @@ def test_a_run_killed_inside_a_sample_resumes_at_its_next_step_and_counts_every_
     """``peer_io.StepJournal``: the steps a killed run finished are read back, not run again (a step cut
     off by the kill runs again); the sample's ``seconds`` add the CPU seconds those steps took before the
     kill; the journal goes once every sample has its line."""
-    import peer_io
+    from analyses.peers import peer_io
 
     exported, out = tmp_path / "samples.jsonl", tmp_path / "scores.jsonl"
     exported.write_text('{"key": "a", "model": "m", "input_ids": [1, 2, 3, 4], "prompt_tokens": 1}\n')
@@ -294,8 +292,9 @@ def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detect
     """``compare.summary``: each method's mean LDS and its paired difference from ``key_removal_banzhaf``'s;
     a sample whose LDS is undefined is not counted; ``results_markdown`` puts every run's summary in
     RESULTS.md's table."""
-    import compare
     import pandas as pd
+
+    from analyses.peers import compare
 
     lds = {"key_removal_banzhaf": [0.8, 0.6, 0.7, 0.9], "peer": [0.7, 0.7, 0.5, 0.8]}
     table = pd.DataFrame(
@@ -335,7 +334,7 @@ def test_the_summary_gives_each_methods_lds_paired_with_the_best_one_pass_detect
 
 def test_results_peers_table_is_what_the_committed_runs_say():
     """RESULTS.md's peers table equals ``results_markdown`` of the committed ``bench/results/peers``."""
-    import compare
+    from analyses.peers import compare
 
     text = (compare.ROOT / "RESULTS.md").read_text()
     start, end = compare.RESULTS_MARKERS

@@ -297,15 +297,17 @@ def test_attention_with_sink_logits_saves_what_the_planner_counts(name):
 def test_predicted_peak_matches_measured_rss_on_smollm2():
     """Peak RSS of a child process with a fixed mmap threshold (freed tensors go back to the system,
     so RSS follows the live tensors) against the plan, plain and checkpointed, at 512 tokens."""
-    bench = Path(__file__).resolve().parents[1] / "bench" / "planner_validation.py"
+    root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(bench), "--model", "smollm2-135m", "--threads", "1", "--child"]
+    command = [sys.executable, "-m", "bench.planner_validation", "--model", "smollm2-135m", "--threads", "1"]
+    command += ["--child"]
     for method in ("plain", "checkpointed"):
         done = subprocess.run(
             [*command, method, "512"],
             capture_output=True,
             text=True,
             env=env,
+            cwd=root,
             check=True,
         )
         row = json.loads(done.stdout.strip().splitlines()[-1])

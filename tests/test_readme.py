@@ -1,4 +1,4 @@
-"""The README quotes files, not memories: its recorded runs equal the records bench/timed.py wrote."""
+"""The README quotes files, not memories: its recorded runs equal the records ``bench.timed`` wrote."""
 
 import json
 import subprocess
@@ -7,16 +7,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import timed
 
-import timed  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_readme_quotes_the_recorded_runs_and_stays_a_guide():
     readme = (ROOT / "README.md").read_text()
     block = timed.readme_block()
-    assert block in readme  # python bench/timed.py --readme rewrites it
+    assert block in readme  # python -m bench.timed --readme rewrites it
     for path in [path for path in timed.RECORDS.values() if path.exists()]:
         assert str(path.relative_to(ROOT)) in block
         assert json.loads(path.read_text())["exit_code"] == 0, f"{path} records a failed run"
@@ -44,11 +43,10 @@ def test_the_readme_block_is_rewritten_from_the_records(tmp_path, monkeypatch):
 
 
 def test_a_record_keeps_the_commands_peak_memory(tmp_path):
-    """A command touching 600 MiB is recorded at 0.6 GiB (timed.py runs fresh: no other child counts)."""
+    """A command touching 600 MiB is recorded at 0.6 GiB (bench.timed runs fresh: no other child counts)."""
     path, touch = tmp_path / "run.json", "block = bytearray(600 * 2**20); block[::4096] = b'x' * (600 * 256)"
-    subprocess.run(
-        [sys.executable, ROOT / "bench" / "timed.py", path, "--", sys.executable, "-c", touch], check=True
-    )
+    command = [sys.executable, "-m", "bench.timed", path, "--", sys.executable, "-c", touch]
+    subprocess.run(command, cwd=ROOT, check=True)
     assert json.loads(path.read_text())["peak_rss_gib"] == pytest.approx(0.6, abs=0.1)
 
 

@@ -9,6 +9,6 @@ for Long-Context Modeling"): theory, controlled study, LMs.
 - :mod:`analyses.position_bias.cli`: ``python -m analyses.position_bias``, which writes the figures.
 """
 
-from analyses.position_bias.cli import main, parse_args
+from .cli import main, parse_args
 
 __all__ = ["main", "parse_args"]

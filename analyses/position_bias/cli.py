@@ -38,9 +38,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from analyses.arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
-from analyses.output import save_figure
-from analyses.position_bias.controlled import (
+from ..arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
+from ..output import save_figure
+from ..sweep import is_main_process, sweep
+from .controlled import (
     Network,
     Study,
     controlled_study,
@@ -53,15 +54,14 @@ from analyses.position_bias.controlled import (
     sink_study,
     with_paper,
 )
-from analyses.position_bias.presets import PRESETS, Preset
-from analyses.position_bias.real_models import (
+from .presets import PRESETS, Preset
+from .real_models import (
     first_token_mass,
     lost_in_the_middle,
     plot_first_token_mass,
     plot_lost_in_the_middle,
 )
-from analyses.position_bias.theory import plot_theory, theory_table
-from analyses.sweep import is_main_process, sweep
+from .theory import plot_theory, theory_table
 
 PARTS = ("study", "theory", "real")
 

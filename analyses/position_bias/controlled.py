@@ -19,11 +19,12 @@ import seaborn as sns
 import torch
 from tqdm.auto import tqdm
 
-from analyses.position_bias.presets import Preset
-from analyses.sweep import sweep
 from probe import graph
 from probe.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, train_together
 from probe.tasks.classification import Episodes, InContextClassification
+
+from ..sweep import sweep
+from .presets import Preset
 
 PANELS = {
     "No PE": {"mask": "causal", "pe": "none"},

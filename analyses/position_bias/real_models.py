@@ -9,9 +9,10 @@ import seaborn as sns
 from tqdm.auto import tqdm
 
 import probe
-from analyses.position_bias.presets import Preset
 from probe import answer, graph, tasks
 from probe.tasks.noise import essay_ids
+
+from .presets import Preset
 
 
 def first_token_mass(model_name: str, model, tokenizer, preset: Preset) -> pd.DataFrame:
