@@ -218,17 +218,6 @@ def check_tokenizer(tokenizer, optional: bool = False) -> PreTrainedTokenizerBas
     return tokenizer
 
 
-def check_sample(sample) -> None:
-    """``sample``: a :class:`probe.Sample` (``probe.tasks.make``, ``probe.Sample.from_text``)."""
-    from probe.tasks import Sample
-
-    if not isinstance(sample, Sample):
-        raise InvalidTypeError(
-            f"sample must be a probe.Sample, got {type(sample).__name__}: build one with "
-            "probe.tasks.make(...) or probe.Sample.from_text(tokenizer, context, query, response)"
-        )
-
-
 def check_option(value, annotation: str, what: str) -> None:
     """An option checked by its annotation (``int``, ``float``, ``bool``, ``str`` and ``... | None``);
     ints at least 0 (1 for counts named in :data:`COUNTS`), floats finite."""

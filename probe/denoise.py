@@ -17,12 +17,12 @@ import torch
 
 from probe.attribution import embedding_grads
 from probe.capture import trace
-from probe.checks import check_layers, check_number, check_sample, check_token_flags, hf_model, input_device
+from probe.checks import check_layers, check_number, check_token_flags, hf_model, input_device
 from probe.errors import InvalidValueError
 from probe.objectives import denoised_embeddings, noise_tokens
 from probe.shared_state import frozen_parameters
 from probe.target import target_loss
-from probe.tasks import CATEGORIES, Sample
+from probe.tasks import CATEGORIES, Sample, check_sample
 
 #: Ground-truth categories moved by each named ``move`` (``"detected"``: see :func:`moved_tokens`).
 #: ``"noise"`` moves CDT's irrelevant tokens (§3.1: book text and low-frequency words); the critical

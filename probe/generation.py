@@ -6,9 +6,9 @@ import re
 
 import torch
 
-from probe.checks import check_int, check_sample, check_sample_fits, check_tokenizer, hf_model, input_device
+from probe.checks import check_int, check_sample_fits, check_tokenizer, hf_model, input_device
 from probe.errors import InvalidTypeError
-from probe.tasks import Sample
+from probe.tasks import Sample, check_sample
 
 #: New tokens of a reply to a real question (RULER's ``tokens_to_generate`` for QA); the reply ends
 #: earlier at the model's end of turn.

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 from sklearn.metrics import precision_score, recall_score, roc_auc_score
 
-from probe.checks import check_int, check_sample
+from probe.checks import check_int
 from probe.detectors import Detection, check_detection_of, top_k_mask
 from probe.errors import InvalidTypeError, InvalidValueError
-from probe.tasks import Sample
+from probe.tasks import Sample, check_sample
 
 SHARE_CATEGORIES = ("supporting", "interference", "noise", "low_frequency", "other")
 

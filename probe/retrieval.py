@@ -24,11 +24,11 @@ from tqdm.auto import tqdm
 
 from probe import views
 from probe.capture import trace
-from probe.checks import cache_keyword, check_input_ids, check_sample, check_tokenizer, hf_model, n_layers
+from probe.checks import cache_keyword, check_input_ids, check_tokenizer, hf_model, n_layers
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.results import read_json, reading, write_json
 from probe.shared_state import frozen_parameters
-from probe.tasks import Sample
+from probe.tasks import Sample, check_sample
 
 THRESHOLD = 0.1  # Wu et al.: a head that copies at least 10% of the needle is a retrieval head
 TOP = 10  # LOGO App. B: the model's retrieval score is the mean of its top-10 retrieval heads

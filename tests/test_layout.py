@@ -6,7 +6,8 @@
   :data:`MAX_LINES` lines;
 - the detector registry's private tables (``_REGISTRY``, ``_SHARED``) are touched by its own module only:
   everyone else uses ``register``, ``lookup``, ``replace`` and ``sandbox``;
-- ``bench`` edits no ``sys.path``: it is a package run with ``python -m bench.<name>``.
+- ``bench`` edits no ``sys.path``: it is a package run with ``python -m bench.<name>``;
+- ``probe``'s modules import each other without a circle (at any depth of their code).
 """
 
 from __future__ import annotations
@@ -101,11 +102,77 @@ def path_edits(root: Path) -> list[str]:
     return found
 
 
+def probe_modules(root: Path) -> dict[str, Path]:
+    """Module name -> file of every module of ``probe`` (a package by its ``__init__``)."""
+    found = {}
+    for path in python_files(root, "probe"):
+        parts = path.relative_to(root).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the ``probe`` modules it imports (``from probe.tasks import Sample``: the package
+    ``probe.tasks``; ``from probe import views``: the module ``probe.views``)."""
+    modules = probe_modules(root)
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = (
+                    node.module
+                    if node.level == 0
+                    else ".".join(
+                        [
+                            *package.split(".")[: len(package.split(".")) - node.level + 1],
+                            *filter(None, [node.module]),
+                        ]
+                    )
+                )
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    edges |= {full} if full in modules else {base} & set(modules)
+        graph[name] = edges - {name}
+    return graph
+
+
+def import_circles(root: Path) -> list[str]:
+    """Each set of ``probe`` modules that import each other in a circle (a strongly connected component
+    of the import graph, Tarjan's algorithm), as their files: ``probe/a.py, probe/b.py``."""
+    graph, index, low, stack, circles = import_graph(root), {}, {}, [], []
+    files = {name: str(path.relative_to(root)) for name, path in probe_modules(root).items()}
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(component) > 1:
+                circles.append(", ".join(sorted(files[name] for name in component)))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
 CHECKS = {
     "imports": wrong_imports,
     "size": long_files,
     "registry": private_registry_access,
     "sys.path": path_edits,
+    "circles": import_circles,
 }
 
 
@@ -119,6 +186,7 @@ VIOLATIONS = {
     "size": ("analyses/bad.py", "x = 1\n" * (MAX_LINES + 1)),
     "registry": ("tests/test_bad.py", "from probe.detectors import registry\nregistry._REGISTRY.clear()\n"),
     "sys.path": ("bench/bad.py", "import sys\nsys.path.insert(0, '.')\n"),
+    "circles": ("probe/bad.py", "def f():\n    from probe import good\n"),
 }
 
 
@@ -126,7 +194,7 @@ VIOLATIONS = {
 def test_each_rule_catches_a_violation(rule, tmp_path):
     for package in PACKAGES:
         (tmp_path / package).mkdir()
-    (tmp_path / "probe" / "good.py").write_text("import torch\n")
+    (tmp_path / "probe" / "good.py").write_text("import torch\nimport probe.bad\n")
     assert CHECKS[rule](tmp_path) == []
     name, text = VIOLATIONS[rule]
     (tmp_path / name).write_text(text)

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from probe.attribution import AnswerAttribution, answer_attribution, attention_rows
-from probe.checks import check_layers, check_option, check_sample, check_sample_fits, check_tokenizer
+from probe.checks import check_layers, check_option, check_sample_fits, check_tokenizer
 from probe.detectors.detection import Detection
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.target import CHECKED, describe, vocabulary_size
-from probe.tasks import Sample
+from probe.tasks import Sample, check_sample
 
 Detector = Callable[..., Detection]
 _REGISTRY: dict[str, Detector] = {}

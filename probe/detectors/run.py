@@ -14,13 +14,13 @@ import torch
 
 from probe import journal
 from probe.attribution import AnswerAttribution
-from probe.checks import check_sample, check_sample_fits, check_tokenizer
+from probe.checks import check_sample_fits, check_tokenizer
 from probe.detectors import registry
 from probe.detectors.registry import PASS_OPTIONS, Detection, finished
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.faithfulness import sample_digest
 from probe.target import CHECKED, describe, vocabulary_size
-from probe.tasks import Sample
+from probe.tasks import Sample, check_sample
 
 
 def detect(

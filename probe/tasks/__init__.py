@@ -38,7 +38,7 @@ from probe.tasks.key_token import key_token
 from probe.tasks.kv import kv
 from probe.tasks.lines import lines
 from probe.tasks.needle import multivalue_niah, niah, passkey
-from probe.tasks.sample import CATEGORIES, CONTEXT_CATEGORIES, Prompt, Sample, Source, Unit
+from probe.tasks.sample import CATEGORIES, CONTEXT_CATEGORIES, Prompt, Sample, Source, Unit, check_sample
 from probe.tasks.story import story
 
 TASKS: dict[str, Callable[..., Sample]] = {
@@ -135,6 +135,7 @@ __all__ = [
     "NATURAL_LENGTH",
     "CATEGORIES",
     "CONTEXT_CATEGORIES",
+    "check_sample",
     "Prompt",
     "Sample",
     "Source",

@@ -91,9 +91,10 @@ class InContextClassification:
     ) -> Episodes:
         """Sequences from per-sequence class ``means`` [size, classes, dim] and ``labels`` [size, classes]."""
         size, n_classes, dim = means.shape
-        order = torch.stack(
-            [torch.randperm(self.config.pairs, generator=self.generator) for _ in range(size)]
-        ) % n_classes  # each class exactly `burstiness` times, shuffled
+        order = (
+            torch.stack([torch.randperm(self.config.pairs, generator=self.generator) for _ in range(size)])
+            % n_classes
+        )  # each class exactly `burstiness` times, shuffled
         if answer_positions is None:
             answer = torch.randint(self.config.pairs, (size,), generator=self.generator)
         else:

@@ -313,6 +313,15 @@ class Sample:
         return cls(**fields)
 
 
+def check_sample(sample) -> None:
+    """``sample``: a :class:`Sample` (``probe.tasks.make``, ``probe.Sample.from_text``)."""
+    if not isinstance(sample, Sample):
+        raise InvalidTypeError(
+            f"sample must be a probe.Sample, got {type(sample).__name__}: build one with "
+            "probe.tasks.make(...) or probe.Sample.from_text(tokenizer, context, query, response)"
+        )
+
+
 class _TextBuilder:
     """Concatenates strings and records the character range of each categorized piece."""
 

@@ -57,11 +57,16 @@ def story(
     facts, question, answer_prefix = {
         1: ([went], f"Where is {hero}?", f"{hero} is in the"),
         2: ([took, went], f"Where is the {thing}?", f"The {thing} is in the"),
-        3: ([took, went, went_again], f"Where was the {thing} before the {second}?",
-            f"Before the {second}, the {thing} was in the"),
-        4: ([went, took, went_again, f"{hero} {pick(words.DROP)} the {thing}."],
+        3: (
+            [took, went, went_again],
+            f"Where was the {thing} before the {second}?",
+            f"Before the {second}, the {thing} was in the",
+        ),
+        4: (
+            [went, took, went_again, f"{hero} {pick(words.DROP)} the {thing}."],
             f"Where was the {thing} before the place where it was dropped?",
-            f"Before the place where it was dropped, the {thing} was in the"),
+            f"Before the place where it was dropped, the {thing} was in the",
+        ),
     }[hops]
 
     # Interference: the same kinds of sentences about other characters and other objects.

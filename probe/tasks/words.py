@@ -24,17 +24,40 @@ DROP = ("dropped", "put down", "discarded", "left")
 
 # Multi-value needles (LOGO 003 App. B Fig. 8).
 CITIES = (
-    "San Francisco", "New York", "Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Perth",
-    "Montreal", "Krakow", "Seville", "Osaka",
+    "San Francisco",
+    "New York",
+    "Lisbon",
+    "Nairobi",
+    "Oslo",
+    "Lima",
+    "Hanoi",
+    "Perth",
+    "Montreal",
+    "Krakow",
+    "Seville",
+    "Osaka",
 )
 SHARED_ACTIVITIES = (
-    "eat a sandwich", "fly a kite", "ride a bicycle", "play chess", "bake bread",
-    "watch the sunset", "paint a mural", "feed the ducks",
+    "eat a sandwich",
+    "fly a kite",
+    "ride a bicycle",
+    "play chess",
+    "bake bread",
+    "watch the sunset",
+    "paint a mural",
+    "feed the ducks",
 )
 LOCAL_ACTIVITIES = (
-    "sit in Dolores Park", "visit the old harbor", "climb the city hill", "walk along the river",
-    "tour the botanical garden", "listen to street music", "browse the night market",
-    "swim at the public pool", "see the cathedral", "take the cable car",
+    "sit in Dolores Park",
+    "visit the old harbor",
+    "climb the city hill",
+    "walk along the river",
+    "tour the botanical garden",
+    "listen to street music",
+    "browse the night market",
+    "swim at the public pool",
+    "see the cathedral",
+    "take the cable car",
 )
 
 
