@@ -1,0 +1,120 @@
+"""The HotpotQA study's numbers, from its files (``figures/studies/hotpotqa_protocol.md``): every
+``detector_MODEL-natural_*`` study under ``figures/studies``, finished or still running (its finished parts).
+
+Per model: the questions done of those planned, the explained answers' exact match and token F1; per
+model and scorer: LDS, its paired difference from exhaustive leave-one-out with a 95 % bootstrap interval,
+the AOPC of comprehensiveness, and the plausibility against the gold supporting sentences (sentence
+AUROC, recall of the gold sentences in the top 2). Writes ``figures/studies/hotpotqa_summary.csv`` and the
+table between the ``hotpotqa`` markers of RESULTS.md, so that the report quotes the files.
+
+    python -m analyses.hotpotqa_report
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from probe import stats
+from probe.atomic import atomic_write
+
+from .claims import update_results
+from .study_files import running_tables
+
+MARKERS = "<!-- hotpotqa:start -->", "<!-- hotpotqa:end -->"
+SHOWN = ("leave_one_out", "context_cite", "key_removal_banzhaf", "attn_lrp", "lexical_overlap")
+
+
+def study_rows(figures: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, int]]:
+    """(metrics rows, faithfulness rows, questions planned per model) of every natural-length study."""
+    metrics, faithful, planned = [], [], {}
+    for folder in sorted((figures / "studies").glob("detector_*-natural_*")):
+        finished = sorted(folder.glob("detector_*_faithfulness.csv"))
+        if finished:
+            faithful.append(pd.read_csv(finished[0]))
+            metrics.append(pd.read_csv(str(finished[0]).replace("_faithfulness", "_metrics")))
+            planned[faithful[-1].model.iloc[0]] = faithful[-1][["task", "seed"]].drop_duplicates().shape[0]
+            continue
+        for parts in folder.glob(".detector_*_parts"):
+            recorded, found = running_tables(parts, ("metrics", "faithfulness"))
+            planned[recorded["model"]] = recorded["samples"] * len(recorded["tasks"])
+            if not found["faithfulness"].empty:
+                metrics.append(found["metrics"])
+                faithful.append(found["faithfulness"])
+    if not faithful:
+        return pd.DataFrame(), pd.DataFrame(), planned
+    return pd.concat(metrics, ignore_index=True), pd.concat(faithful, ignore_index=True), planned
+
+
+def summary(metrics: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
+    """One row per model and scorer (see the module docstring)."""
+    rows = []
+    for model, part in faithful.groupby("model"):
+        wide = part.pivot_table(index="seed", columns="scorer", values="lds")
+        answers = metrics[metrics.model == model].drop_duplicates("seed")
+        for scorer, scored in part.groupby("scorer"):
+            plausible = metrics[(metrics.model == model) & (metrics.detector == scorer)]
+            paired = stats.bootstrap((wide[scorer] - wide["leave_one_out"]).dropna().to_numpy())
+            rows.append({
+                "model": model, "scorer": scorer, "questions": len(answers),
+                "exact_match": answers.exact_match.mean(), "f1": answers.f1.mean(),
+                "lds": scored.lds.mean(), "lds_minus_loo": paired.value,
+                "low": paired.low, "high": paired.high,
+                "aopc_comprehensiveness": scored.aopc_comprehensiveness.mean(),
+                "source_auroc": plausible.source_auroc.mean(),
+                "recall_top2": plausible.recall_top2_sources.mean(),
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def markdown(table: pd.DataFrame, planned: dict[str, int]) -> str:
+    """The report's table: per model, its answers, then the :data:`SHOWN` scorers."""
+    if table.empty:
+        return "Running: no question finished yet."
+    lines = [
+        "| model | questions (of planned) | exact match / F1 of its answers | scorer | LDS | − leave-one-out "
+        "[95 % CI] | recall of gold sentences in top 2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, part in table.groupby("model"):
+        first = part.iloc[0]
+        about = [
+            model,
+            f"{first.questions} ({planned.get(model, '?')})",
+            f"{first.exact_match:.2f} / {first.f1:.2f}",
+        ]
+        for scorer in [name for name in SHOWN if name in set(part.scorer)]:
+            row = part[part.scorer == scorer].iloc[0]
+            paired = f"{row.lds_minus_loo:.2f} [{row.low:.2f}, {row.high:.2f}]"
+            interval = "–" if scorer == "leave_one_out" else paired
+            cells = [*about, f"`{scorer}`", f"{row.lds:.2f}", interval, f"{row.recall_top2:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+            about = ["", "", ""]
+    done = ", ".join(f"{model} {n}" for model, n in table.groupby("model").questions.first().items())
+    return (
+        "\n".join(lines) + f"\n\nQuestions done so far: {done}; a running study's intervals are provisional."
+    )
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--figures", type=Path, default=Path("figures"))
+    parser.add_argument("--results", default="RESULTS.md", help="file with the hotpotqa markers ('' to skip)")
+    args = parser.parse_args(argv)
+    metrics, faithful, planned = study_rows(args.figures)
+    table = summary(metrics, faithful) if not faithful.empty else pd.DataFrame()
+    atomic_write(
+        args.figures / "studies" / "hotpotqa_summary.csv", lambda tmp: table.to_csv(tmp, index=False)
+    )
+    if args.results:
+        update_results(Path(args.results), markdown(table, planned), MARKERS)
+    print(markdown(table, planned))
+    return table
+
+
+if __name__ == "__main__":
+    main()
