@@ -25,7 +25,8 @@ def test_the_report_is_computed_from_the_study_files(tmp_path):
     faithful.to_csv(folder / "detector_m-natural_faithfulness.csv", index=False)
     metrics.to_csv(folder / "detector_m-natural_metrics.csv", index=False)
     results = tmp_path / "RESULTS.md"
-    results.write_text(f"before\n{hotpotqa_report.MARKERS[0]}\nPREVIOUS TABLE\n{hotpotqa_report.MARKERS[1]}\nafter\n")
+    start, end = hotpotqa_report.MARKERS
+    results.write_text(f"before\n{start}\nPREVIOUS TABLE\n{end}\nafter\n")
     table = hotpotqa_report.main(["--figures", str(tmp_path / "figures"), "--results", str(results)])
     row = table.set_index("scorer").loc["context_cite"]
     wide = faithful.pivot_table(index="seed", columns="scorer", values="lds")
