@@ -126,6 +126,23 @@ def leave_one_out(
     else:
         effect, (removed, ran) = leave_one_out_drops(model, sample, range(n_sources), **how)
         measured = torch.ones(n_sources, dtype=torch.bool)
+    return removal_detection(sample, effect, measured, settings, removed, ran, passes=len(removed))
+
+
+def removal_detection(
+    sample: Sample,
+    effect: torch.Tensor,
+    measured: torch.Tensor,
+    settings: dict,
+    removed: torch.Tensor,
+    ran: AnswerScores,
+    **details,
+) -> Detection:
+    """The detection of a removal detector: ``effect`` Tensor[sources] spread over each source's tokens,
+    flagged where positive; ``details`` hold the certificate's ``source_scores`` and ``measured``
+    BoolTensor[sources], ``full_logprob`` (row 0 of ``ran``) and every pass run, ``removed``
+    BoolTensor[passes, sources] with its answer scores ``ran`` (read by :meth:`Ablations.of`), and
+    ``details``."""
     scores = spread_over_tokens(effect, sample)
     return Detection(
         scores=scores,
@@ -134,7 +151,7 @@ def leave_one_out(
         details={
             "source_scores": effect,
             "measured": measured,
-            "passes": len(removed),
+            **details,
             "full_logprob": float(ran.logprob[0]),
             "ablated": removed,
             "ablated_logprob": ran.logprob,
@@ -164,11 +181,16 @@ def pruned_estimate(ranking: torch.Tensor, chosen: torch.Tensor, drops: torch.Te
     ``drops`` Tensor[chosen] on the ``chosen`` sources (:func:`pruned_sources`), every other source its
     ``ranking`` score times the least-squares scale that maps the ranking onto the drops (0 when fewer
     than two were measured)."""
-    cheap = ranking.float().cpu()
-    scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
-    effect = cheap * scale
+    effect = ranking.float().cpu() * pruned_scale(ranking, chosen, drops)
     effect[chosen] = drops
     return effect
+
+
+def pruned_scale(ranking: torch.Tensor, chosen: torch.Tensor, drops: torch.Tensor) -> float:
+    """The least-squares scale that maps ``ranking``'s scores of the ``chosen`` sources onto their measured
+    ``drops`` (0 when fewer than two were measured)."""
+    cheap = ranking.float().cpu()[chosen]
+    return float(cheap @ drops / (cheap @ cheap)) if len(chosen) > 1 else 0.0
 
 
 def lasso_surrogate(
@@ -300,28 +322,19 @@ def leave_few_out(
     joint = answer_scores(model, sample, together, **how)
     measured = torch.zeros(len(effect), dtype=torch.bool)
     measured[chosen] = True
-    cheap = rankings[0].float()
-    scale = float(cheap[chosen] @ drops / (cheap[chosen] @ cheap[chosen])) if len(chosen) > 1 else 0.0
-    scores = spread_over_tokens(effect, sample)
-    ranker_passes = len({registry_pass(name) for name in rankers})
-    return Detection(
-        scores=scores,
-        flagged=scores > 0,
-        settings=settings,
-        details={
-            "source_scores": effect,
-            "measured": measured,
-            "estimated_by": rankers[0],
-            "scale": scale,
-            "head": head,
-            "head_drop": float(ran.logprob[0] - joint.logprob[0]),
-            "head_sum": float(effect[head].sum()),
-            "passes": ranker_passes + len(removed) + 1,
-            "full_logprob": float(ran.logprob[0]),
-            "ablated": torch.cat([removed, together]),
-            "ablated_logprob": torch.cat([ran.logprob, joint.logprob]),
-            "ablated_correct": torch.cat([ran.correct, joint.correct]),
-        },
+    return removal_detection(
+        sample,
+        effect,
+        measured,
+        settings,
+        torch.cat([removed, together]),
+        AnswerScores(*(torch.cat(pair) for pair in zip(ran, joint, strict=True))),
+        estimated_by=rankers[0],
+        scale=pruned_scale(rankings[0], chosen, drops),
+        head=head,
+        head_drop=float(ran.logprob[0] - joint.logprob[0]),
+        head_sum=float(effect[head].sum()),
+        passes=len({registry_pass(name) for name in rankers}) + len(removed) + 1,
     )
 
 
