@@ -29,7 +29,7 @@ figures: $(STAMP)  ## the main job, quick default on SmolLM2-135M, writes figure
 # two workers of one thread each: at these model sizes two processes beat one with two threads
 test: $(STAMP)  ## the test suite (tiny models, plus a few marked real-model checks)
 	$(PY) -m ruff check .
-	$(TIMED) env OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2
+	$(TIMED) env OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --durations=30
 
 bench: $(STAMP)  ## capture-core memory/time ratios (minutes; not part of the tests)
 	$(PY) -m bench.capture_memory --csv bench/results/capture_memory.csv
