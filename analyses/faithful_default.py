@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         atomic_write(table, lambda tmp, frame=done: frame.to_csv(tmp, index=False))
         print(f"{task} {seed}: done", flush=True)
     result = summary(done.assign(model=args.model))
+    atomic_write(table.with_name(f"{table.stem}_summary.csv"), lambda tmp: result.to_csv(tmp, index=False))
     print(result.round(3).to_string(index=False))
     return result
 

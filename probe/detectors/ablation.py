@@ -274,7 +274,7 @@ def leave_few_out(
     model,
     tokenizer,
     sample: Sample,
-    measure: int = 3,
+    measure: int = 2,
     rank_by: str | Sequence[str] = ("key_removal_grad", "information_flow"),
     check: int = 3,
     target: Target | None = None,
