@@ -1,6 +1,7 @@
 """The README quotes files, not memories: its recorded runs equal the records ``bench.timed`` wrote."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,27 @@ def test_the_quick_start_output_is_the_committed_run():
     assert f'answers "{settings["response"]}"' in " ".join(readme.split())
     assert settings["model"] == "smollm2-135m" and settings["detector"] == "key_removal_banzhaf"
     assert f'--query "{settings["query"]}"' in " ".join(readme.split())
+
+
+INTERVAL = re.compile(r"[−-]?\d+\.\d+ \[[−-]?\d+\.\d+, [−-]?\d+\.\d+\]")
+NARRATION = re.compile(
+    r"\b(this|next|previous|last|earlier|\w+th|first|second|third) session\b", re.IGNORECASE
+)
+
+
+def test_every_interval_the_readme_quotes_is_one_results_states():
+    """One source for every number: an estimate with its interval in README.md is copied from RESULTS.md
+    (which quotes the study files), so the guide cannot say what the report does not."""
+    readme, results = (ROOT / "README.md").read_text(), (ROOT / "RESULTS.md").read_text()
+    quoted = INTERVAL.findall(readme)
+    assert quoted and [value for value in quoted if value not in results] == []
+
+
+def test_the_reports_do_not_narrate_how_the_project_was_made():
+    """Dates and commits where history matters, never "the third session" (README, RESULTS, the
+    benchmarks' and studies' READMEs and protocols)."""
+    folders = [ROOT / "bench", ROOT / "analyses", ROOT / "figures" / "studies"]
+    documents = [ROOT / "README.md", ROOT / "RESULTS.md", *(p for f in folders for p in f.glob("**/*.md"))]
+    found = [f"{path.relative_to(ROOT)}: {match}" for path in documents
+             for match in NARRATION.findall(path.read_text())]  # fmt: skip
+    assert found == []
