@@ -11,6 +11,7 @@ TINY_MODEL = "<tiny model folder>"  # replaced by the `tiny_model_folder` fixtur
 TINY_SETTINGS = {
     "claims.ipynb": {"KEYS": ["nope_first", "decay_last", "retrieval_heads", "cdt_scale"]},
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
+    "faithful_default.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192},
     "learn_head_weights.ipynb": {
         "MODEL": TINY_MODEL, "LENGTH": 192, "TRAIN_SAMPLES": 2, "HELDOUT_LENGTH": 160, "MASKS": 6,
     },  # fmt: skip
