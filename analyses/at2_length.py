@@ -1,7 +1,8 @@
 """Why ``at2`` turns against the ablations at 4K: its learned head weights split by sign and by feature,
 judged on a held-out study's saved passes.
 
-``at2`` scores a source Σ_{f,l,h} θ[f, l, h] · F[f, l, h, source] (:mod:`probe.at2`), with weights θ learned
+``at2`` scores a source Σ_{f,l,h} θ[f, l, h] · F[f, l, h, source] (:mod:`probe.probes.at2`), with weights θ
+learned
 at 1K. For every ``multihop-4`` and ``kv`` sample whose passes a study saved, one shared pass gives the
 features F; each part of the score is then judged by LDS on the study's own 32 LDS masks (read from its
 saved passes, no masked pass runs):
@@ -26,8 +27,8 @@ from tqdm import tqdm
 import probe
 from bench.harness import intervals, report_with_summary, saved_passes_parser, study_masks
 from probe import faithfulness, tasks
-from probe.at2 import HeadWeights, source_features, source_scores, token_features
-from probe.attribution import answer_attribution
+from probe.probes.at2 import HeadWeights, source_features, source_scores, token_features
+from probe.probes.attribution import answer_attribution
 
 from .length_ranking import faithfulness_studies
 from .study_files import saved_passes

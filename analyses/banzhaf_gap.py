@@ -37,9 +37,9 @@ from scipy.stats import spearmanr
 import probe
 from bench.harness import intervals, load, report, study_masks
 from probe import faithfulness, tasks
+from probe.attention.modifiers import bias_keys
 from probe.checks import hf_model
-from probe.key_removal import removal_units
-from probe.modifiers import bias_keys
+from probe.probes.key_removal import removal_units
 from probe.target import target_of
 
 DROPS = (0.0, 0.5, 1.0, 2.0, 4.0, 30.0)  # further bias on the top source, from the mean-field point

@@ -28,8 +28,8 @@ from scipy.stats import spearmanr
 import probe
 from bench.harness import intervals, new_seed_samples, report
 from probe import tasks
-from probe.graph import attention_modules
-from probe.shared_state import frozen_parameters
+from probe.attention.shared_state import frozen_parameters
+from probe.probes.position_bias import attention_modules
 from probe.target import target_loss
 
 

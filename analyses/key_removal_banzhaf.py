@@ -54,7 +54,7 @@ import torch
 from bench.harness import load, samples_parser
 from probe import detectors, faithfulness, tasks
 from probe.atomic import atomic_write
-from probe.key_removal import key_removal_gradient
+from probe.probes.key_removal import key_removal_gradient
 from probe.stats import bootstrap
 
 REFERENCE = (
@@ -71,7 +71,8 @@ def detected(detector: str, options: dict, model, tokenizer, sample: tasks.Sampl
 def fade(depth: float, steps: int, model, tokenizer, sample: tasks.Sample) -> torch.Tensor:
     """Tensor[sources]: ∫ ∂ log P(answer)/∂b_i db over the path on which every source's key bias b goes
     from 0 to −``depth`` together, midpoint rule over ``steps`` points (each a
-    :func:`~probe.key_removal.key_removal_gradient` at presence e^b), summed over each source's tokens."""
+    :func:`~probe.probes.key_removal.key_removal_gradient` at presence e^b), summed over each source's
+    tokens."""
     spans = [(source.start, source.end) for source in sample.sources]
     total = torch.zeros(len(sample.input_ids))
     for point in range(steps):

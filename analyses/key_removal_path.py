@@ -22,7 +22,7 @@ import probe
 from bench.harness import add_device_arguments, load
 from probe import faithfulness, tasks
 from probe.atomic import atomic_write
-from probe.key_removal import key_removal_gradient
+from probe.probes.key_removal import key_removal_gradient
 
 VARIANTS = {"krg": (0.0, 1), "ig_d4_m4": (4.0, 4), "ig_d12_m4": (12.0, 4)}
 

@@ -39,9 +39,9 @@ from bench.harness import load, samples_parser
 from probe import faithfulness, tasks
 from probe.atomic import atomic_write
 from probe.attention import OUTPUTS, LayerCall, Modifier, modify
-from probe.key_removal import key_removal_gradient
-from probe.patterns import apply_pattern, mask_rows
-from probe.shared_state import frozen_parameters
+from probe.attention.patterns import apply_pattern, mask_rows
+from probe.attention.shared_state import frozen_parameters
+from probe.probes.key_removal import key_removal_gradient
 from probe.stats import bootstrap
 from probe.target import target_of
 

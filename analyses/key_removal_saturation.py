@@ -7,7 +7,8 @@ nothing to it, however much it falls when its source is gone. This script splits
 at p_t ≥ ``--sure`` into ``sure`` and ``unsure`` and reports, for chosen sources and for each group
 (:class:`RowGroup` as the :mod:`probe.target`):
 
-- ``first_order``: the key-removal gradient (:func:`probe.key_removal.key_removal_gradient`, token level as
+- ``first_order``: the key-removal gradient (:func:`probe.probes.key_removal.key_removal_gradient`, token
+level as
   ``key_removal_grad``) summed over the source's tokens: its first-order removal effect;
 - ``first_order_unit``: the same with the source removed as a unit (``sources=``, a query inside the source
   gets no bias on it; ``key_removal_banzhaf(presence=1)``): the slope at 0 of the ``curve_`` columns;
@@ -36,8 +37,8 @@ import torch
 
 from bench.harness import add_device_arguments, load, report
 from probe import faithfulness, tasks
-from probe.key_removal import key_removal_gradient
-from probe.logprobs import long_logprobs
+from probe.probes.key_removal import key_removal_gradient
+from probe.probes.logprobs import long_logprobs
 from probe.target import answer_logprob
 
 from .banzhaf_gap import DROPS, bias_curve

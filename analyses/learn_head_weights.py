@@ -1,10 +1,11 @@
-"""Learn AT2 head weights (:mod:`probe.at2`) for a model from its own ablations; validate them held out.
+"""Learn AT2 head weights (:mod:`probe.probes.at2`) for a model from its own ablations; validate them held
+out.
 
 Training samples: ``--train-samples`` per task of ``--tasks`` at ``--length`` tokens, seeds from 1000
 (apart from the main job's seeds). For each sample, one forward+backward over every layer gives the
 per-head features, and ``--masks`` random source masks (each source kept with probability 1/2,
 compacted passes) give the gold answer's log-probability the weights are fit to
-(:func:`probe.at2.fit`, the ridge penalty chosen by grouped cross-validation).
+(:func:`probe.probes.at2.fit`, the ridge penalty chosen by grouped cross-validation).
 
 Held out, three sets: ``seeds`` (new seeds of the training tasks), ``task`` (``--heldout-task`` at
 ``--length``) and ``length`` (the training tasks at ``--heldout-length``). On each, the LDS of ``at2``
@@ -33,8 +34,9 @@ import seaborn as sns
 import torch
 
 import probe
-from probe import at2, detectors, faithfulness, stats, tasks
-from probe.attribution import AnswerAttribution, answer_attribution
+from probe import detectors, faithfulness, stats, tasks
+from probe.probes import at2
+from probe.probes.attribution import AnswerAttribution, answer_attribution
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load
 from .output import atomic_write, save_figure

@@ -1,4 +1,4 @@
-"""LongPPL at small scale on the real models (Fang et al. 2025, §2 and §4.1), with ``probe.lsd``.
+"""LongPPL at small scale on the real models (Fang et al. 2025, §2 and §4.1), with ``probe.probes.lsd``.
 
 1. **Answer tokens** (§2.1–2.2, Figs. 2–4). LongEval ``lines`` samples (full record, gold answer
    teacher-forced, the asked line in the first 60 % so it sits more than K tokens back) at several
@@ -13,7 +13,7 @@
    base). Each gets PPL (eq. 1), LongPPL and LongPPL-soft (eqs. 4, 7) on Paul Graham essay text
    (:func:`probe.tasks.noise.essay_documents`), key tokens chosen once by a fixed evaluator (full
    Gemma 3; SmolLM2's tokens are aligned by characters, App. A.1 eqs. 9–10), pooled per token over
-   the documents (:func:`probe.lsd.pool_longppl`), and teacher-forced accuracy on the tasks at the
+   the documents (:func:`probe.probes.lsd.pool_longppl`), and teacher-forced accuracy on the tasks at the
    same length. Pearson (of the log, the mean NLL) and Spearman r of each measure with the mean
    accuracy across variants, each with a 95 % bootstrap interval over variants
    (:func:`probe.stats.correlation`).
@@ -65,7 +65,8 @@ import torch
 from accelerate.utils import broadcast_object_list
 
 import probe
-from probe import logprobs, lsd, tasks
+from probe import tasks
+from probe.probes import logprobs, lsd
 from probe.tasks.noise import essay_documents
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings

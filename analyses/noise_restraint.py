@@ -2,7 +2,8 @@
 gradient (E' = E − lr·β·∇E, CDT eq. 2) raise the attention of the answer rows on the supporting facts?
 
 For each multi-hop sample the model first answers greedily (scored against the gold answer); then,
-with the gold answer teacher-forced, :func:`probe.denoise.noise_restraint` moves the chosen tokens'
+with the gold answer teacher-forced, :func:`probe.probes.noise_restraint.noise_restraint` moves the chosen
+tokens'
 embeddings by a sweep of step sizes lr·β and measures, per layer, the attention mass from the answer
 rows on each token category before and after, and the answer loss. Writes ``noise_restraint.png``
 and ``noise_restraint.csv`` (one row per model, sample, step, layer and category).
@@ -22,7 +23,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from probe import answer, denoise, tasks
+from probe import answer, tasks
+from probe.probes import noise_restraint
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from .output import save_figure
@@ -34,11 +36,12 @@ SHOWN = ("supporting", "interference", "noise", "low_frequency")
 
 
 def restrain_sample(model, tokenizer, args: argparse.Namespace, seed: int) -> pd.DataFrame:
-    """One sample: the greedy answer and :func:`probe.denoise.noise_restraint` for every step size."""
+    """One sample: the greedy answer and :func:`probe.probes.noise_restraint.noise_restraint` for every step
+    size."""
     sample = tasks.make(args.task, tokenizer, args.length, seed=seed, model=model)
     generated = answer(model, tokenizer, sample, args.max_new_tokens)
     lrs = [step / args.beta for step in args.steps]
-    table = denoise.noise_restraint(model, sample, lrs, beta=args.beta, move=args.move)
+    table = noise_restraint.noise_restraint(model, sample, lrs, beta=args.beta, move=args.move)
     return table.assign(
         task=args.task,
         length=len(sample.input_ids),
@@ -143,7 +146,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", nargs="+", type=float, default=STEPS, help="step sizes lr·β of CDT eq. 2")
     parser.add_argument("--beta", type=float, default=5.0, help="β of CDT eq. 2 (lr = step / β)")
     parser.add_argument(
-        "--move", default="noise", choices=[*denoise.MOVES, "detected"], help="which tokens to move"
+        "--move", default="noise", choices=[*noise_restraint.MOVES, "detected"], help="which tokens to move"
     )
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)

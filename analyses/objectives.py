@@ -8,7 +8,7 @@ Every loss is on the teacher-forced answer only, averaged over the ``--batch`` s
 
 - ``ce``: mean cross-entropy of the answer tokens (:func:`probe.target_loss`);
 - ``longce``: LongCE (Fang et al. 2025, eqs. 6–7) on the answer tokens,
-  :func:`probe.objectives.longce_target_loss`: each answer token weighted by min(exp(LSD), γ) of
+  :func:`probe.training.objectives.longce_target_loss`: each answer token weighted by min(exp(LSD), γ) of
   the model's own long-short difference. The short context is the last K tokens, K = length / 4
   by default. With K at least the sample's length no answer token has a short context, every
   weight is 1 and LongCE *is* CE; with K = length / 4 the short context holds the question and
@@ -16,7 +16,7 @@ Every loss is on the teacher-forced answer only, averaged over the ``--batch`` s
   long context. Adam (and clipping) normalize the overall scale of the gradient, so the weights act
   only *relative to the other samples of the same step*: with one-token answers and one sample per
   step, LongCE would again train exactly like CE — hence ``--batch`` > 1;
-- ``cdt``: CDT (Context Denoising Training, eqs. 1–3), :func:`probe.objectives.cdt_loss`, online each
+- ``cdt``: CDT (Context Denoising Training, eqs. 1–3), :func:`probe.training.objectives.cdt_loss`, online each
   step: the
   context tokens whose embedding-gradient norm is below the context mean are moved by −lr·β·∇E
   (β = 5; lr = the training learning rate, as the paper prints it, unless ``--cdt-lr``), then
@@ -24,8 +24,8 @@ Every loss is on the teacher-forced answer only, averaged over the ``--batch`` s
   embeddings (``relative_shift`` = ‖E' − E‖ / ‖E‖ over the moved tokens) and the share of context
   tokens flagged critical. At fine-tuning learning rates the move is negligible (SmolLM2, lr 2e-5:
   ~1e-5 of the embedding norm) and CDT trains like CE; ``--cdt-lr`` tries larger steps.
-- ``logo``: LOGO (Tang et al. 2024, eqs. 2–3), :func:`probe.objectives.logo_loss` on
-  :func:`probe.objectives.sequence_logprob`: the preferred response y_w is the gold answer, the M
+- ``logo``: LOGO (Tang et al. 2024, eqs. 2–3), :func:`probe.training.objectives.logo_loss` on
+  :func:`probe.training.objectives.sequence_logprob`: the preferred response y_w is the gold answer, the M
   dispreferred responses y_l are the answers of the sample's interference facts
   (:func:`interference_answers`: "Fred went to the garden." → garden, "Fred took the apple." →
   apple; M = 1 or 2 here, the paper's M = 2 came from generations on irrelevant chunks), each
@@ -41,7 +41,7 @@ Before (the base model) and after each fine-tuning, on held-out samples (other s
 accuracy, the answer's teacher-forced NLL, and the attention mass from the rows predicting the
 answer onto the supporting-fact tokens (and, as a control, onto the interference-fact tokens):
 summed over those tokens, mean over heads, rows and all layers (one forward pass with the NLL,
-:func:`probe.denoise.answer_attention`).
+:func:`probe.probes.noise_restraint.answer_attention`).
 
 Writes ``objectives.png`` + ``objectives.csv`` (one row per held-out sample and model, with the
 settings, the torch seed — empty for the base model — and the job's wall time) and
@@ -84,8 +84,8 @@ from tqdm.auto import tqdm
 import probe
 from probe import answer, tasks
 from probe.checks import check_layers, model_context
-from probe.denoise import answer_attention, category_mass
-from probe.objectives import cdt_loss, logo_loss, longce_target_loss, sequence_logprob
+from probe.probes.noise_restraint import answer_attention, category_mass
+from probe.training.objectives import cdt_loss, logo_loss, longce_target_loss, sequence_logprob
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from .output import atomic_write, save_figure
@@ -155,8 +155,8 @@ def objective_loss(name: str, model, tokenizer, sample: tasks.Sample, args: argp
 def logo_sample_loss(model, tokenizer, sample: tasks.Sample, args: argparse.Namespace):
     """(LOGO loss, diagnostics) of one sample: y_w = the gold answer, y_l = :func:`interference_answers`.
 
-    1 + M passes over prompt + response (:func:`probe.objectives.sequence_logprob`), then
-    :func:`probe.objectives.logo_loss` with batch 1. Diagnostics: the dispreferred answers
+    1 + M passes over prompt + response (:func:`probe.training.objectives.sequence_logprob`), then
+    :func:`probe.training.objectives.logo_loss` with batch 1. Diagnostics: the dispreferred answers
     (space-separated) and the reward margin r(y_w) − 1/M Σ_j r(y_l^(j)), r(y) = β/|y| log π(y|x).
     """
     others, prompt = interference_answers(sample), sample.prompt_ids

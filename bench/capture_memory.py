@@ -35,7 +35,7 @@ def _run_child(
     import torch
 
     import probe
-    from probe.shared_state import frozen_parameters
+    from probe.attention.shared_state import frozen_parameters
     from probe.target import target_loss
     from probe.tasks.noise import essay_ids
 

@@ -8,7 +8,7 @@ head-averaged context selector ``P^(L−1) = A^(L−1) … A^(0)`` over all laye
 - ``streamed``: ``probe.context_selector(model, ids, layers=[-1])`` — each layer's attention is
   handed over by the capture core and multiplied in place (O(heads·n²) for one layer + O(n²)).
 - ``stacked``: every layer's Tensor[heads, n, n] from ``probe.attention_matrices`` is kept, then
-  the product is taken with :func:`probe.graph.multiply_in_place` (O(n_layers·heads·n²)).
+  the product is taken with :func:`probe.probes.position_bias.multiply_in_place` (O(n_layers·heads·n²)).
 - ``eager``: ``output_attentions=True`` under eager attention, how rollout code usually gets the
   matrices, then the same product.
 
@@ -34,7 +34,7 @@ def _run_child(
     import torch
 
     import probe
-    from probe.graph import multiply_in_place
+    from probe.probes.position_bias import multiply_in_place
     from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(threads)

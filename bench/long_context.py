@@ -11,7 +11,8 @@ The planner's prediction for the same call (:func:`probe.plan`) is printed besid
 - ``information_flow``: :func:`probe.information_flow`, ``checkpoint=False``;
 - ``information_flow_checkpointed``: the same with ``checkpoint=True``;
 - ``longppl`` / ``longppl_official`` (``--device cuda``): the evaluator pass of LongPPL's key-token
-  search (LSD and LCL of every token, K = 4096, d = 1024) by :func:`probe.lsd.lsd_scores` (short windows
+  search (LSD and LCL of every token, K = 4096, d = 1024) by :func:`probe.probes.lsd.lsd_scores` (short
+  windows
   batched) and by the official ``longppl`` package's ``find_key_token`` (one window at a time, full
   logits), throughput in tokens per second.
 
@@ -88,7 +89,7 @@ def _run_child(
     import torch
 
     import probe
-    from probe.shared_state import frozen_parameters
+    from probe.attention.shared_state import frozen_parameters
     from probe.target import target_loss
 
     torch.set_num_threads(2)
@@ -109,7 +110,7 @@ def _run_child(
         return lambda: probe.information_flow(model, ids, targets, checkpoint=checkpoint)
 
     def longppl():
-        probe.lsd.lsd_scores(model, ids, K=4096, d=1024, official=True)
+        probe.probes.lsd.lsd_scores(model, ids, K=4096, d=1024, official=True)
 
     def longppl_official():
         from longppl.longppl import find_key_token

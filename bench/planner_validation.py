@@ -4,15 +4,15 @@ checkpointing, and the key-bias pass of ``key_removal_banzhaf``, on the real mod
 Each (model, method, length) runs in its own child process (the shared harness): the child loads the
 model, warms it up, resets the kernel's peak-RSS counter and runs ``probe.information_flow`` once —
 all layers, the last ``--targets`` tokens as targets, essay text (:func:`probe.tasks.noise.essay_ids`)
-— and reports the peak RSS above the warmed-up model beside :func:`probe.planner.plan`'s prediction
+— and reports the peak RSS above the warmed-up model beside :func:`probe.memory.planner.plan`'s prediction
 for the same call (computed before the run, from the model's shapes only). ``ratio`` is measured /
 predicted; ``tensors_mib`` is the prediction without its ``allocator`` term (the bytes of live tensors;
-the rest is glibc heap slack, see :mod:`probe.planner`). ``load`` is the 1-minute load average seen
+the rest is glibc heap slack, see :mod:`probe.memory.planner`). ``load`` is the 1-minute load average seen
 by the child just before its run (the machine has 2 cores).
 
 - ``plain``: ``probe.information_flow(model, ids, targets)``.
-- ``checkpointed``: the same call inside ``probe.checkpointing.checkpointed(model)``.
-- ``key_bias``: ``probe.key_removal.key_removal_gradient`` checkpointed at presence ½ over sources of
+- ``checkpointed``: the same call inside ``probe.memory.checkpointing.checkpointed(model)``.
+- ``key_bias``: ``probe.probes.key_removal.key_removal_gradient`` checkpointed at presence ½ over sources of
   64 tokens (the pass of ``key_removal_banzhaf``: the key bias on the CPU flash kernel, its masks
   under the planner's ``key_bias`` term), predicted with the same bias active.
 
@@ -42,11 +42,12 @@ MODELS = ("smollm2-135m", "gemma3-270m")
 
 
 def prediction(model, method: str, length: int, n_targets: int):
-    """The planner's :class:`probe.planner.Plan` for ``method`` on ``model`` (a model or its config)."""
+    """The planner's :class:`probe.memory.planner.Plan` for ``method`` on ``model`` (a model or its
+    config)."""
     import torch
 
-    from probe.modifiers import KeyBias
-    from probe.planner import plan
+    from probe.attention.modifiers import KeyBias
+    from probe.memory.planner import plan
 
     if method == "key_bias":
         bias = KeyBias(torch.zeros(1, length, requires_grad=True))
@@ -61,8 +62,8 @@ def _run_child(
     import torch
 
     import probe
-    from probe.checkpointing import checkpointed
-    from probe.key_removal import key_removal_gradient
+    from probe.memory.checkpointing import checkpointed
+    from probe.probes.key_removal import key_removal_gradient
     from probe.tasks.noise import essay_ids
 
     torch.set_num_threads(threads)

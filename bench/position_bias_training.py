@@ -2,8 +2,8 @@
 
 For each network size, ``--seeds`` networks (Wu et al.'s attention-only SAN, RoPE, batch 128) are
 trained for ``--steps`` steps from the same initialisations on the same pre-drawn batches, first
-one after another (:func:`probe.attention_only.train`), then together
-(:func:`probe.attention_only.train_together`); the two runs alternate ``--repeats`` times in this
+one after another (:func:`probe.training.attention_only.train`), then together
+(:func:`probe.training.attention_only.train_together`); the two runs alternate ``--repeats`` times in this
 one process and the table keeps the median time per step of all networks and the ratio. The
 trained weights of the two ways are compared too (they must agree to float rounding).
 
@@ -22,8 +22,8 @@ import pandas as pd
 import torch
 
 from bench.harness import report
-from probe.attention_only import AttentionOnly, SANConfig, train, train_together
 from probe.tasks.classification import InContextClassification
+from probe.training.attention_only import AttentionOnly, SANConfig, train, train_together
 
 
 def networks(config: SANConfig, seeds: list[int], device: str) -> list[AttentionOnly]:

@@ -2,8 +2,8 @@
 against its own pass, in one process.
 
 The main job's shared-pass detectors (``attention``, ``information_flow``, ``embedding_grad``) read one
-:func:`probe.attribution.answer_attribution` pass. ``key_removal_grad`` once ran a forward and
-backward of its own under a key bias at 0 (:func:`probe.key_removal.key_removal_gradient`, the
+:func:`probe.probes.attribution.answer_attribution` pass. ``key_removal_grad`` once ran a forward and
+backward of its own under a key bias at 0 (:func:`probe.probes.key_removal.key_removal_gradient`, the
 baseline); now the bias rides in the shared pass (``answer_attribution(key_bias=True)``), the model
 unchanged at 0. Per sample (the main job's: SmolLM2-135M, multihop-1 and multihop-2 at 1K tokens,
 seeds 0–11 by default; one thread): the seconds of the shared pass plus the own pass (``separate``)
@@ -22,7 +22,7 @@ import torch
 
 from bench.harness import load, report, samples_parser
 from probe import detectors, tasks
-from probe.key_removal import key_removal_gradient
+from probe.probes.key_removal import key_removal_gradient
 
 READERS = ["attention", "information_flow", "embedding_grad"]  # the main job's other shared-pass readers
 

@@ -1,7 +1,17 @@
 """longprobe: probes for long-context language models."""
 
 from probe import detectors, errors, metrics
-from probe.attribution import (
+from probe.attention.capture import ActivationCache, trace
+from probe.attention.modifiers import ablate_heads, attention_window, mask_keys
+from probe.attention.patching import patch_heads, record_heads
+from probe.attention.rope import rope_base
+from probe.detectors import Detection, attribute, detect
+from probe.errors import LongprobeError, UnsupportedModelError
+from probe.generation import answer, given_answer
+from probe.memory.checkpointing import checkpointed
+from probe.memory.planner import plan
+from probe.models import load_model, tiny_model, to_bridge
+from probe.probes.attribution import (
     answer_attribution,
     attention_matrices,
     attention_rows,
@@ -9,20 +19,10 @@ from probe.attribution import (
     embedding_grads,
     information_flow,
 )
-from probe.capture import ActivationCache, trace
-from probe.checkpointing import checkpointed
-from probe.denoise import noise_restraint
-from probe.detectors import Detection, attribute, detect
-from probe.errors import LongprobeError, UnsupportedModelError
-from probe.generation import answer, given_answer
-from probe.graph import context_selector
-from probe.lsd import longppl, pool_longppl, token_lsd
-from probe.models import load_model, tiny_model, to_bridge
-from probe.modifiers import ablate_heads, attention_window, mask_keys
-from probe.patching import patch_heads, record_heads
-from probe.planner import plan
-from probe.retrieval import RetrievalScores, retrieval_scores
-from probe.rope import rope_base
+from probe.probes.lsd import longppl, pool_longppl, token_lsd
+from probe.probes.noise_restraint import noise_restraint
+from probe.probes.position_bias import context_selector
+from probe.probes.retrieval import RetrievalScores, retrieval_scores
 from probe.target import target_loss
 from probe.tasks import Sample
 

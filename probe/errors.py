@@ -61,7 +61,7 @@ class ModelNotInstalledError(LongprobeError, FileNotFoundError):
 class InsufficientMemoryError(LongprobeError, MemoryError):
     """The planner's prediction that a call would not fit in the free memory, raised before any
     allocation (a :class:`MemoryError`, so ``except MemoryError`` still catches it; an allocator's own
-    out-of-memory error is never this one). ``plan``: the :class:`probe.planner.Plan` that did not
+    out-of-memory error is never this one). ``plan``: the :class:`probe.memory.planner.Plan` that did not
     fit; ``available``: the free bytes it was compared with."""
 
     def __init__(self, message: str, plan, available: int):

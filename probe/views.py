@@ -2,7 +2,7 @@
 
 Pages need no network (inline CSS, no script, no CDN), so they open offline and in a notebook:
 :class:`~probe.detectors.Detection`, :class:`~probe.tasks.Sample` and
-:class:`~probe.retrieval.RetrievalScores` show themselves through ``_repr_html_`` and write a page
+:class:`~probe.probes.retrieval.RetrievalScores` show themselves through ``_repr_html_`` and write a page
 with ``save_html(path)``.
 
 Token view: the prompt as text (each token is the text from the end of the previous token to its

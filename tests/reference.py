@@ -104,7 +104,7 @@ def masked_eager_forward(model, input_ids, hidden=(), window=None, heads=()):
 
 def head_weights_for(model, seed: int = 0):
     """Random AT2 head weights that fit ``model`` (the bundled ones fit only the real models)."""
-    from probe import at2
+    from probe.probes import at2
 
     config = model.config.get_text_config()
     shape = (len(at2.FEATURES), config.num_hidden_layers, config.num_attention_heads)

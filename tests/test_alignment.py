@@ -1,4 +1,4 @@
-"""probe.alignment against sets of characters and the tokenizers' own offsets."""
+"""probe.probes.alignment against sets of characters and the tokenizers' own offsets."""
 
 import numpy as np
 import pytest
@@ -6,8 +6,8 @@ import torch
 from transformers import AutoTokenizer
 
 import probe
-from probe import alignment
 from probe.models import converted_folder
+from probe.probes import alignment
 
 TEXT = "The key is 12345 ok"
 #       0123456789012345678

@@ -24,7 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import probe
-from probe import compaction, faithfulness
+from probe import faithfulness
+from probe.faithfulness import compaction
 from probe.models import converted_folder
 from probe.tasks import Sample
 

@@ -7,7 +7,8 @@ import torch
 
 import probe
 from analyses import learn_head_weights
-from probe import at2, faithfulness
+from probe import faithfulness
+from probe.probes import at2
 
 
 def test_fit_recovers_planted_head_weights():

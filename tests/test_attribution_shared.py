@@ -7,8 +7,8 @@ from transformers import AutoTokenizer
 
 import probe
 from probe import detectors, tasks
-from probe.attribution import answer_attribution, attention_rows, embedding_grads, information_flow
 from probe.models import converted_folder
+from probe.probes.attribution import answer_attribution, attention_rows, embedding_grads, information_flow
 
 TOL = 1e-6  # fp32, absolute and relative: the shared pass and the separate passes run the same operations
 CHEAP = {  # the expensive detectors at settings that keep the test fast (same settings on both sides)

@@ -1,4 +1,4 @@
-"""Several sequences in one pass (probe.batch): each result equals running its sequence alone."""
+"""Several sequences in one pass (probe.attention.batch): each result equals running its sequence alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 import probe
 from probe import detectors, tasks
-from probe.batch import batch_of, is_batch
+from probe.attention.batch import batch_of, is_batch
 from probe.models import converted_folder
 
 LENGTHS = (40, 25, 33)  # longer than the tiny Gemma 3's window of 6: sliding layers are exercised

@@ -213,10 +213,10 @@ def test_checkpointed_layers_recompute_and_record_once(tiny, monkeypatch):
     plain_flow = probe.information_flow(tiny, ids, targets)
     plain_grads = probe.embedding_grads(tiny, ids, targets)
     calls = []
-    original = probe.capture.pattern_blocks
+    original = probe.attention.capture.pattern_blocks
     counted = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)  # noqa: E731
-    monkeypatch.setattr(probe.capture, "pattern_blocks", counted)
-    with probe.checkpointing.checkpointed(tiny):
+    monkeypatch.setattr(probe.attention.capture, "pattern_blocks", counted)
+    with probe.memory.checkpointing.checkpointed(tiny):
         flow = probe.information_flow(tiny, ids, targets)
         with probe.trace(tiny, rows=targets - 1, grad=True) as cache:
             embeds = tiny.get_input_embeddings()(ids).detach().requires_grad_(True)
@@ -234,20 +234,20 @@ def test_checkpointed_recomputation_keeps_the_modifiers(tiny):
     targets = torch.tensor([11, SEQ - 1])
     with probe.mask_keys(tiny, [2, 5, 9]), probe.attention_window(tiny, 8):
         plain = probe.information_flow(tiny, ids, targets)
-        with probe.checkpointing.checkpointed(tiny):
+        with probe.memory.checkpointing.checkpointed(tiny):
             checkpointed = probe.information_flow(tiny, ids, targets)
     assert (checkpointed - plain).abs().max() <= 1e-6
 
 
 def test_checkpointed_refuses_a_kv_cache_and_models_without_layers(tiny, monkeypatch):
-    with probe.checkpointing.checkpointed(tiny), pytest.raises(ValueError, match="use_cache=False"):
+    with probe.memory.checkpointing.checkpointed(tiny), pytest.raises(ValueError, match="use_cache=False"):
         tiny(input_ids=random_ids(tiny), use_cache=True)
     assert not any("forward" in vars(module) for module in tiny.modules())
     monkeypatch.setattr(
-        probe.checkpointing, "GradientCheckpointingLayer", type("Other", (torch.nn.Module,), {})
+        probe.memory.checkpointing, "GradientCheckpointingLayer", type("Other", (torch.nn.Module,), {})
     )
     with pytest.raises(UnsupportedModelError, match="GradientCheckpointingLayer"):
-        with probe.checkpointing.checkpointed(tiny):
+        with probe.memory.checkpointing.checkpointed(tiny):
             pass
 
 

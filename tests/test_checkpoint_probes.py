@@ -8,9 +8,11 @@ import torch
 from transformers import AutoTokenizer
 
 import probe
-from probe import checkpointing, checks, denoise, detectors, planner, tasks
+from probe import checks, detectors, tasks
+from probe.memory import checkpointing, planner
 from probe.models import converted_folder
-from probe.objectives import cdt_loss
+from probe.probes import noise_restraint
+from probe.training.objectives import cdt_loss
 
 
 def _flow(model, tokenizer, sample, checkpoint):
@@ -44,7 +46,7 @@ def _shared_pass(model, tokenizer, sample, checkpoint):
 
 
 def _noise_restraint(model, tokenizer, sample, checkpoint):
-    table = denoise.noise_restraint(model, sample, [0.5, 2.0], checkpoint=checkpoint)
+    table = noise_restraint.noise_restraint(model, sample, [0.5, 2.0], checkpoint=checkpoint)
     return torch.tensor(table[["after", "loss_after", "shift"]].to_numpy(dtype=float))
 
 

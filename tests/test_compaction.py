@@ -1,5 +1,6 @@
 """Compacted passes (only the kept tokens, at their original positions) against key masking and explicit
-eager masks: every mask is measured in original positions (:func:`probe.modifiers.original_positions`), so
+eager masks: every mask is measured in original positions
+(:func:`probe.attention.modifiers.original_positions`), so
 the Gemma-3-style sliding windows, smaller here than the gaps a removed source opens, count positions and
 not kept tokens; without that map the result is wrong (checked, so these tests can fail). Tiny Llama and
 Gemma 3, nested modifiers, the architecture zoo, the real models at 1K."""
@@ -12,8 +13,9 @@ from reference import COMPACT_ATOL, eager_answer_logprob
 from test_architectures import ARCHITECTURES, build
 
 import probe
-from probe import compaction, faithfulness, tasks
-from probe.modifiers import original_positions
+from probe import faithfulness, tasks
+from probe.attention.modifiers import original_positions
+from probe.faithfulness import compaction
 
 
 def compaction_masks(n_sources: int) -> torch.Tensor:

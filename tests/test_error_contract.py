@@ -221,7 +221,7 @@ def test_the_silent_and_misleading_cases_are_refused_with_what_to_do():
 def test_a_result_file_with_a_malformed_field_names_the_file(tmp_path, kind, record):
     import json
 
-    from probe.at2 import HeadWeights
+    from probe.probes.at2 import HeadWeights
 
     path = tmp_path / "result.json"
     path.write_text(json.dumps(record))

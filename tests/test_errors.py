@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import probe
-from probe.lsd import KeyTokens, LongPPLResult
+from probe.probes.lsd import KeyTokens, LongPPLResult
 
 
 def test_token_ids_outside_the_vocabulary_name_the_tokenizer_mismatch(tiny):

@@ -3,7 +3,7 @@ prefix-cache reuse against uncached passes, the ablation detectors against hand 
 LDS on a planted additive model, and a hand-built model whose answer depends on one needle.
 
 Compacted passes (only the kept tokens, at their original positions) against key masking: every
-mask is measured in original positions (:func:`probe.modifiers.original_positions`), so the
+mask is measured in original positions (:func:`probe.attention.modifiers.original_positions`), so the
 Gemma-3-style sliding windows, smaller here than the gaps a removed source opens, count positions
 and not kept tokens; without that map the result is wrong (checked, so these tests can fail). Tiny
 Llama and Gemma 3, nested modifiers, the architecture zoo, the real models at 1K."""
@@ -19,8 +19,9 @@ from reference import COMPACT_ATOL, eager_answer_logprob
 from test_retrieval import copying_model
 
 import probe
-from probe import compaction, detectors, faithfulness, journal, masks, tasks
-from probe.retrieval import needle_answer_positions
+from probe import detectors, faithfulness, journal, tasks
+from probe.faithfulness import compaction, masks
+from probe.probes.retrieval import needle_answer_positions
 
 ATOL = 1e-5
 

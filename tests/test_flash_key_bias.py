@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from probe import attention, flash_key_bias
-from probe.attention import key_biased_mask
-from probe.capture import trace
-from probe.flash_key_bias import Excluded, key_biased_attention, unit_runs
-from probe.modifiers import KeyBias, bias_keys
-from probe.shapes import Shapes
-from probe.shared_state import frozen_parameters
+from probe import attention
+from probe.attention import flash_key_bias, key_biased_mask
+from probe.attention.capture import trace
+from probe.attention.flash_key_bias import Excluded, key_biased_attention, unit_runs
+from probe.attention.modifiers import KeyBias, bias_keys
+from probe.attention.shared_state import frozen_parameters
+from probe.memory.shapes import Shapes
 from probe.target import target_of
 
 N, HEADS, KV_HEADS, DIM = 40, 4, 2, 8
@@ -77,7 +77,7 @@ def test_unit_runs_are_the_multi_token_units():
 
 def on_the_math_kernel(monkeypatch) -> None:
     """Send every key bias to sdpa's math kernel under the biased mask (the reference path)."""
-    monkeypatch.setattr(attention, "flash_key_bias", lambda *args: False)
+    monkeypatch.setattr(attention, "fused_key_bias", lambda *args: False)
 
 
 @pytest.mark.parametrize("block", [512, 5])
@@ -128,7 +128,7 @@ def test_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(tiny, prese
 @pytest.mark.parametrize("block", [512, 5, 1])  # 1: the sliding layers' bands are the largest
 def test_the_planned_key_bias_term_holds_the_masks_the_kernel_builds(tiny, block, monkeypatch):
     """The largest mask a flash call of the key bias builds (the model's rows and the compensated
-    copy) is the one :meth:`probe.modifiers.KeyBias.memory` plans for: blocks of ``block`` rows on a
+    copy) is the one :meth:`probe.attention.modifiers.KeyBias.memory` plans for: blocks of ``block`` rows on a
     full layer, one window's band on a sliding one (Gemma 3: window 6 < 25 tokens)."""
     monkeypatch.setattr(attention, "KEY_BIAS_BLOCK", block)
     n = 25  # a multiple of every block's rows: the last block is whole

@@ -6,10 +6,12 @@ import torch
 from reference import explicit_masks
 
 import probe
-from probe import compaction, detectors, faithfulness, key_removal
+from probe import detectors, faithfulness
+from probe.attention.modifiers import bias_keys, mask_keys
 from probe.checks import cache_keyword
-from probe.key_removal import key_removal_gradient, removal_units
-from probe.modifiers import bias_keys, mask_keys
+from probe.faithfulness import compaction
+from probe.probes import key_removal
+from probe.probes.key_removal import key_removal_gradient, removal_units
 from probe.target import target_of
 
 SEQ = 24

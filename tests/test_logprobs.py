@@ -1,10 +1,10 @@
-"""probe.logprobs against slow, obvious references: truncated forward passes and full logits."""
+"""probe.probes.logprobs against slow, obvious references: truncated forward passes and full logits."""
 
 import pytest
 import torch
 
 import probe
-from probe import logprobs
+from probe.probes import logprobs
 
 SEQ = 48
 

@@ -1,4 +1,4 @@
-"""probe.lsd against slow, obvious references: truncated forward passes, full logits, sums by hand."""
+"""probe.probes.lsd against slow, obvious references: truncated forward passes, full logits, sums by hand."""
 
 import dataclasses
 import math
@@ -10,9 +10,9 @@ from test_logprobs import SEQ, full_logprobs, random_ids, truncated_logprob
 from transformers import AutoTokenizer
 
 import probe
-from probe import logprobs, lsd
 from probe.models import converted_folder
-from probe.objectives import longce_loss, longce_weights
+from probe.probes import logprobs, lsd
+from probe.training.objectives import longce_loss, longce_weights
 
 
 @pytest.fixture

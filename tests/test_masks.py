@@ -1,4 +1,5 @@
-"""The masks of the faithfulness measures and what is read off them (:mod:`probe.masks`): LDS on a planted
+"""The masks of the faithfulness measures and what is read off them (:mod:`probe.faithfulness.masks`): LDS on
+a planted
 additive model, top-k masks' ties, the additive ceiling's fit and its own masks."""
 
 import math
@@ -6,7 +7,7 @@ import math
 import pytest
 import torch
 
-from probe import masks
+from probe.faithfulness import masks
 
 
 def test_lds_is_one_for_a_planted_additive_model_and_near_zero_for_noise():

@@ -1,4 +1,5 @@
-"""Training objectives (probe.objectives) against hand-computed values and step-by-step references."""
+"""Training objectives (probe.training.objectives) against hand-computed values and step-by-step
+references."""
 
 import math
 
@@ -7,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import probe
-from probe.attribution import critical_tokens
-from probe.objectives import (
+from probe.probes.attribution import critical_tokens
+from probe.training.objectives import (
     cdt_loss,
     denoised_embeddings,
     logo_loss,

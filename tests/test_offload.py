@@ -9,7 +9,8 @@ import torch
 from accelerate import cpu_offload, disk_offload
 
 import probe
-from probe import faithfulness, planner
+from probe import faithfulness
+from probe.memory import planner
 
 IDS = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(0))
 TARGETS = [30, 39]

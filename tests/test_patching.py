@@ -1,4 +1,5 @@
-"""Activation patching of heads (probe.patching) against a hand-built reference: eager attention with
+"""Activation patching of heads (probe.attention.patching) against a hand-built reference: eager attention
+with
 forward hooks on the output projection that record its input and splice recorded head slices back in;
 and the modifier protocol itself, through a new modifier written in a few lines."""
 
@@ -10,9 +11,9 @@ from reference import explicit_masks
 
 import probe
 from probe.attention import OUTPUTS, Modifier, modify
-from probe.modifiers import KeyBias
-from probe.planner import plan
-from probe.shapes import Shapes
+from probe.attention.modifiers import KeyBias
+from probe.memory.planner import plan
+from probe.memory.shapes import Shapes
 
 ATOL = 1e-5
 SEQ = 24  # longer than the tiny Gemma's sliding window (6)
@@ -179,21 +180,22 @@ def test_a_new_modifier_is_one_subclass_and_nests(tiny):
 
 def test_the_planner_asks_the_active_modifiers(tiny):
     """A key bias with a gradient states its memory and plan() adds it to every phase: on CPU the
-    flash kernel's masks of the running layer, on CUDA the math kernel's attention matrices."""
+    flash kernel's masks of the running layer, on a device without a fused key bias (XPU) the math
+    kernel's attention matrices (CUDA's FlexAttention: tests/test_flex_key_bias.py)."""
     n = 64
     bias = torch.zeros(1, n, requires_grad=True)
     flash = plan(tiny, n, "embedding_grads", modifiers=[KeyBias(bias)])
     assert flash.terms["key_bias"] == 2 * n * n * 4 + n * n
     assert flash.terms["masks"] == plan(tiny, n, "embedding_grads").terms["masks"]  # no mask per layer
-    cuda = replace(Shapes.of(tiny), device="cuda")
-    plain = plan(cuda, n, "embedding_grads")
-    biased = plan(cuda, n, "embedding_grads", modifiers=[KeyBias(bias)])
+    other = replace(Shapes.of(tiny), device="xpu")
+    plain = plan(other, n, "embedding_grads")
+    biased = plan(other, n, "embedding_grads", modifiers=[KeyBias(bias)])
     config = tiny.config
     per_layer = 2 * config.num_attention_heads * n * n * 4 + n * n
     expected = config.num_hidden_layers * per_layer + 8 * config.num_attention_heads * n * n
     assert biased.terms["key_bias"] == expected
     assert biased.terms["masks"] > plain.terms["masks"]  # every layer now gets a mask
-    checkpointed = plan(cuda, n, "embedding_grads", checkpoint=True, modifiers=[KeyBias(bias)])
+    checkpointed = plan(other, n, "embedding_grads", checkpoint=True, modifiers=[KeyBias(bias)])
     assert checkpointed.terms["key_bias"] == per_layer + 8 * config.num_attention_heads * n * n
     beside_outputs = plan(tiny, n, "embedding_grads", modifiers=[KeyBias(bias), DoubleHeads()])
     assert beside_outputs.terms["key_bias"] == flash.terms["key_bias"]  # still on the flash kernel

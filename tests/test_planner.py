@@ -14,11 +14,12 @@ import torch
 from test_architectures import build
 
 import probe
-from probe import memory, passes, planner
-from probe.capture import trace
-from probe.modifiers import KeyBias, KeyMask, bias_keys
-from probe.planner import Plan, Shapes, auto_checkpoint, guard, plan
-from probe.shared_state import frozen_parameters
+from probe import memory
+from probe.attention.capture import trace
+from probe.attention.modifiers import KeyBias, KeyMask, bias_keys
+from probe.attention.shared_state import frozen_parameters
+from probe.memory import passes, planner
+from probe.memory.planner import Plan, Shapes, auto_checkpoint, guard, plan
 
 GRAD = ("information_flow", "answer_attribution", "embedding_grads")
 ALL = (*GRAD, "embedding_grad_norms", "attention_rows", "forward")
@@ -207,7 +208,7 @@ def _probe_run(model, name: str, n: int, rows: int, layers=None):
             probe.embedding_grads(model, ids, targets)
             return None
         with (
-            probe.shared_state.frozen_parameters(model),
+            probe.attention.shared_state.frozen_parameters(model),
             torch.enable_grad(),
             trace(model, rows=targets - 1, layers=layers, grad=True) as cache,
         ):

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from probe import graph
-from probe.attention_only import (
+from probe.probes import position_bias
+from probe.tasks.classification import Config, InContextClassification
+from probe.training.attention_only import (
     AttentionOnly,
     SANConfig,
     accuracy_gaps,
@@ -15,7 +16,6 @@ from probe.attention_only import (
     train,
     train_together,
 )
-from probe.tasks.classification import Config, InContextClassification
 
 
 def content_free(config: SANConfig) -> AttentionOnly:
@@ -31,8 +31,8 @@ def content_free(config: SANConfig) -> AttentionOnly:
 @pytest.mark.parametrize(
     ("config", "expected"),
     [
-        (SANConfig(mask="causal"), graph.cesaro(17)),
-        (SANConfig(mask="decay", gamma=0.8), graph.decay_attention(17, -math.log(0.8))),
+        (SANConfig(mask="causal"), position_bias.cesaro(17)),
+        (SANConfig(mask="decay", gamma=0.8), position_bias.decay_attention(17, -math.log(0.8))),
         (SANConfig(mask="full"), torch.full((17, 17), 1 / 17, dtype=torch.float64)),
     ],
 )
@@ -43,8 +43,8 @@ def test_content_free_attention_is_the_theory_matrix(config, expected):
 
 def test_window_and_prefix_graphs():
     for config, mask in [
-        (SANConfig(mask="window", window=5), graph.causal_mask(17, window=5)),
-        (SANConfig(mask="prefix", prefix=4), graph.causal_mask(17, prefix=4)),
+        (SANConfig(mask="window", window=5), position_bias.causal_mask(17, window=5)),
+        (SANConfig(mask="prefix", prefix=4), position_bias.causal_mask(17, prefix=4)),
     ]:
         assert log_mask(config, 17).isfinite().equal(mask)
         _, attention = AttentionOnly(config)(torch.randn(2, 17, 64))

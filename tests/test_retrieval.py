@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import probe
 from probe import tasks
-from probe.retrieval import RetrievalScores, copy_hits, decode_with_argmax, needle_answer_positions
+from probe.probes.retrieval import RetrievalScores, copy_hits, decode_with_argmax, needle_answer_positions
 
 
 @pytest.fixture(scope="module")

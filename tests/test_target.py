@@ -8,9 +8,9 @@ from transformers import AutoTokenizer
 import probe
 from analyses.objectives import interference_answers, response_ids
 from probe import detectors, faithfulness, tasks
-from probe.attribution import embedding_grads
-from probe.key_removal import key_removal_gradient
 from probe.models import converted_folder
+from probe.probes.attribution import embedding_grads
+from probe.probes.key_removal import key_removal_gradient
 from probe.target import AnswerToken, Contrast, answer_logprob
 
 

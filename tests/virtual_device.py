@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.backend_registration import _DummyBackendModule, _setup_privateuseone_for_python_backend
 
-import probe.attribution
-import probe.planner
+import probe.memory.planner
+import probe.probes.attribution
 
 NAME = "vgpu"
 DEVICE = f"{NAME}:0"
@@ -161,14 +161,14 @@ def virtual_device() -> Iterator[str]:
     """Make ``"vgpu"`` a device for the duration (see the module docstring); yields its name."""
     if torch._C._get_privateuse1_backend_name() != NAME:
         raise RuntimeError("virtual_device.register() must run first, before the process's first backward")
-    host = probe.planner.available_memory("cpu")
+    host = probe.memory.planner.available_memory("cpu")
 
     def available_memory(device="cpu"):
         return host if torch.device(device).type == NAME else found(device)
 
-    found = probe.planner.available_memory
+    found = probe.memory.planner.available_memory
     with (
-        mock.patch("probe.planner.available_memory", available_memory),
+        mock.patch("probe.memory.planner.available_memory", available_memory),
         mock.patch("torch.inference_mode", torch.no_grad),  # inference tensors refuse wrapper subclasses
         _Methods(),
         _Checks(),

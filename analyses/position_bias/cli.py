@@ -1,7 +1,7 @@
 """Position bias from the attention graph (Wu et al., ICML 2025; Wang et al., "Transformers Are Biased
 for Long-Context Modeling"): theory, controlled study, LMs.
 
-1. **Controlled study** (paper §5, Figs 2/4/5): attention-only networks (:mod:`probe.attention_only`)
+1. **Controlled study** (paper §5, Figs 2/4/5): attention-only networks (:mod:`probe.training.attention_only`)
    trained on in-context classification with no data bias; the gap ``acc[a, b] − acc[b, a]`` for
    first / middle / last, per positional scheme (No PE = causal mask, Decay = decay mask γ = 0.8,
    RoPE) and number of layers, without and with residual connections, beside the paper's reported

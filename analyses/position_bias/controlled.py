@@ -19,9 +19,9 @@ import seaborn as sns
 import torch
 from tqdm.auto import tqdm
 
-from probe import graph
-from probe.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, train_together
+from probe.probes import position_bias
 from probe.tasks.classification import Episodes, InContextClassification
+from probe.training.attention_only import AttentionOnly, SANConfig, accuracy_gaps, log_mask, train_together
 
 from ..sweep import sweep
 from .presets import Preset
@@ -223,7 +223,7 @@ def plot_attention_maps(attention: torch.Tensor) -> tuple[plt.Figure, pd.DataFra
         "layer 1": attention[0].double(),
         "layer 2": attention[1].double(),
         "selector A²A¹": attention[1].double() @ attention[0].double(),
-        "Cesàro M²": torch.linalg.matrix_power(graph.cesaro(seq), 2),
+        "Cesàro M²": torch.linalg.matrix_power(position_bias.cesaro(seq), 2),
     }
     fig, axes = plt.subplots(1, 4, figsize=(22, 5.5))
     for ax, (name, matrix) in zip(axes, maps.items(), strict=True):
@@ -273,7 +273,7 @@ def sink_study(study: Study, progress: bool) -> pd.DataFrame:
         with torch.no_grad():
             attention = model(task.batch(preset.test_size).inputs)[1]
         mask = log_mask(model.config, attention.shape[-1]).isfinite()
-        rate = graph.sink_rate(attention, mask)
+        rate = position_bias.sink_rate(attention, mask)
         rows += [
             {"family": family, "network": name, "token": j + 1, "sink_pct": 100 * r.item()}
             for j, r in enumerate(rate)
@@ -316,7 +316,7 @@ def selector_by_layers(study: Study) -> pd.DataFrame:
         lam = 0.5 if network.residual else None
         product = torch.eye(attention.shape[-1], dtype=torch.float64)
         for layer, layer_attention in enumerate(attention):
-            graph.multiply_in_place(product, graph.residual_mix(layer_attention, lam))
+            position_bias.multiply_in_place(product, position_bias.residual_mix(layer_attention, lam))
             rows.append(
                 {
                     "curve": network.setting + (" (λ = 0.5)" if network.residual else ""),
@@ -327,7 +327,7 @@ def selector_by_layers(study: Study) -> pd.DataFrame:
             )
     deepest = max(preset.n_layers + preset.residual_n_layers)
     for mix, name in ((None, "Cesàro M^L"), (0.5, "Cesàro, λ = 0.5")):
-        cesaro = graph.selector_rows(graph.cesaro(2 * task.config.pairs + 1), deepest, mix)
+        cesaro = position_bias.selector_rows(position_bias.cesaro(2 * task.config.pairs + 1), deepest, mix)
         rows += [
             {"curve": name, "layers": t + 1, "mass_first": r[0].item(), "source": "theory"}
             for t, r in enumerate(cesaro)

@@ -9,7 +9,8 @@ import seaborn as sns
 from tqdm.auto import tqdm
 
 import probe
-from probe import answer, graph, tasks
+from probe import answer, tasks
+from probe.probes import position_bias
 from probe.tasks.noise import essay_ids
 
 from .presets import Preset
@@ -22,11 +23,12 @@ def first_token_mass(model_name: str, model, tokenizer, preset: Preset) -> pd.Da
     """
     rows = []
     for window, ids in enumerate(essay_ids(tokenizer, preset.text_length, preset.texts)):
-        lams = graph.measured_mix(model, ids)
+        lams = position_bias.measured_mix(model, ids)
         n, n_layers = len(ids), len(lams)
         for mix, name in ((None, "raw"), (0.5, "λ = 0.5"), ("measured", "measured λ_t")):
             selector = probe.context_selector(model, ids, mix=mix)
-            prediction = graph.selector_rows(graph.cesaro(n), n_layers, lams if mix == "measured" else mix)
+            mixing = lams if mix == "measured" else mix
+            prediction = position_bias.selector_rows(position_bias.cesaro(n), n_layers, mixing)
             for t in range(n_layers):
                 rows.append(
                     {

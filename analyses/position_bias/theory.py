@@ -7,14 +7,14 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from probe import graph
+from probe.probes import position_bias
 
 
 def theory_table(n: int = 64, m: float = 0.5, theta: float = 0.02, r2: float = 20.0) -> pd.DataFrame:
     """Numeric products of content-free attention beside the closed forms (query row, n tokens)."""
     rows = []
     for mix, name in ((None, "raw"), (0.5, "λ = 0.5")):
-        for t, row in enumerate(graph.selector_rows(graph.cesaro(n), 32, mix)):
+        for t, row in enumerate(position_bias.selector_rows(position_bias.cesaro(n), 32, mix)):
             rows.append(
                 {
                     "family": "Cesàro",
@@ -22,18 +22,24 @@ def theory_table(n: int = 64, m: float = 0.5, theta: float = 0.02, r2: float = 2
                     "layers": t + 1,
                     "token": 1,
                     "numeric": row[0].item(),
-                    "closed_form": float(graph.cesaro_exact_row(n, t + 1)[0]) if mix is None else np.nan,
+                    "closed_form": (
+                        float(position_bias.cesaro_exact_row(n, t + 1)[0]) if mix is None else np.nan
+                    ),
                 }
             )
     for family, attention, closed in (
-        ("decay m = 0.5", graph.decay_attention(n, m), lambda L: graph.decay_closed_form(n, L, m)),
+        (
+            "decay m = 0.5",
+            position_bias.decay_attention(n, m),
+            lambda L: position_bias.decay_closed_form(n, L, m),
+        ),
         (
             "RoPE θ = 0.02, r² = 20",
-            graph.rope_attention(n, theta, r2),
-            lambda L: graph.rope_closed_form(n, L, theta, r2),
+            position_bias.rope_attention(n, theta, r2),
+            lambda L: position_bias.rope_closed_form(n, L, theta, r2),
         ),
     ):
-        numeric = graph.selector_rows(attention, 16)
+        numeric = position_bias.selector_rows(attention, 16)
         for layers in (1, 2, 4, 8, 16):
             predicted = closed(layers)
             rows += [

@@ -16,8 +16,9 @@ name as ``detector``.
     >>> probe.detectors.names()
 
 The package, by concern: :mod:`~probe.detectors.registry` (:class:`Detection`, :func:`register`,
-:func:`names`, :func:`options`), :mod:`~probe.detectors.one_pass` (the attention and gradient
-detectors), :mod:`~probe.detectors.baselines` (``lsd``, ``random``, ``recency``,
+:func:`names`, :func:`options`; ``registry.resolve(name)`` gives the one record of a detector that every
+step of a run uses, so that a name is looked up once), :mod:`~probe.detectors.one_pass` (the attention
+and gradient detectors), :mod:`~probe.detectors.baselines` (``lsd``, ``random``, ``recency``,
 ``lexical_overlap``), :mod:`~probe.detectors.ablation` (``leave_one_out``, ``context_cite``) and
 :mod:`~probe.detectors.run` (:func:`detect`, :func:`detect_many` and its shared pass,
 :func:`attribute`). Every name is importable from ``probe.detectors`` itself.

@@ -20,13 +20,13 @@ def lsd(
     """Long-short difference LSD(x_i) = log P(x_i | all) − log P(x_i | last K tokens) (LongPPL eq. 2).
 
     Flags the key tokens of LongPPL eq. 4: LSD > α and LCL > β. The shared implementation is
-    :func:`probe.lsd.lsd_scores` (sliding windows of step ``d``). Tokens without a
+    :func:`probe.probes.lsd.lsd_scores` (sliding windows of step ``d``). Tokens without a
     short-context score (the first K) get score 0 and are never flagged. The paper's K=4096
     needs samples well beyond 4K tokens; the default K=256 suits ~1K-token samples. ``details``:
     ``lcl``, and ``passes`` (the long pass and one per short-context window of up to K + d tokens).
     """
-    from probe.logprobs import short_context_blocks
-    from probe.lsd import key_token_mask, lsd_scores
+    from probe.probes.logprobs import short_context_blocks
+    from probe.probes.lsd import key_token_mask, lsd_scores
 
     differences, lcl = lsd_scores(model, sample.input_ids, K=K, d=d)
     passes = 1 + len(short_context_blocks(len(sample.input_ids), K, d))  # the long pass and each window

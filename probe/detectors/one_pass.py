@@ -13,17 +13,17 @@ from pathlib import Path
 
 import torch
 
-from probe.at2 import HeadWeights, token_features
-from probe.attribution import AnswerAttribution, critical_tokens
+from probe.attention.lrp import relevance
+from probe.attention.shared_state import frozen_parameters
 from probe.checks import check_int, check_layers, hf_model, input_device
-from probe.compaction import removed_positions
 from probe.detectors.registry import Detection, SharedPass, register, top_k_mask
 from probe.errors import InvalidValueError
 from probe.faithfulness import random_masks
-from probe.key_removal import key_removal_gradient
-from probe.lrp import relevance
-from probe.planner import guarded
-from probe.shared_state import frozen_parameters
+from probe.faithfulness.compaction import removed_positions
+from probe.memory.planner import guarded
+from probe.probes.at2 import HeadWeights, token_features
+from probe.probes.attribution import AnswerAttribution, critical_tokens
+from probe.probes.key_removal import key_removal_gradient
 from probe.target import Target, target_loss_of
 from probe.tasks import Sample
 
@@ -133,7 +133,7 @@ def grad_times_input(model, attribution: AnswerAttribution, sample: Sample, top_
 
 @register("key_removal_grad", shared_pass=SharedPass(layers="none", key_bias=True))
 def key_removal_grad(model, attribution: AnswerAttribution, sample: Sample, top_k: int = 30) -> Detection:
-    """The key-removal gradient (:func:`probe.key_removal.key_removal_gradient`): ∂ log P(answer)/∂b_j
+    """The key-removal gradient (:func:`probe.probes.key_removal.key_removal_gradient`): ∂ log P(answer)/∂b_j
     for a bias b_j on key j's attention logit from every later query, every layer and head, at b = 0.
 
     A first-order estimate of removing token j from every attention, indirect paths included (a
@@ -142,7 +142,7 @@ def key_removal_grad(model, attribution: AnswerAttribution, sample: Sample, top_
     bias rides in the shared pass (the model unchanged at b = 0): in :func:`detect_many` it costs no
     pass of its own. Sources removed as units (a source's own queries get no bias on its keys):
     ``key_removal_banzhaf(presence=1)``; the gradient integrated along the bias path:
-    :func:`~probe.key_removal.key_removal_gradient` ``depth=``.
+    :func:`~probe.probes.key_removal.key_removal_gradient` ``depth=``.
     """
     return _additive(attribution.key_removal_gradient(), sample, top_k)
 
@@ -167,12 +167,12 @@ def key_removal_banzhaf(
     estimate the removal from the full context instead.
 
     One pass by default: the by-source key-removal gradient at ``presence`` ½
-    (:func:`~probe.key_removal.key_removal_gradient` ``presence=``), every source's keys weighted by
+    (:func:`~probe.probes.key_removal.key_removal_gradient` ``presence=``), every source's keys weighted by
     ½ (bias log ½) — on average a key kept with probability ½ adds half its weight to a softmax, so
     this is the mean-field point of the random half contexts. ``pairs > 0`` adds the gradient in
     ``2 * pairs`` random half contexts (complementary pairs, ``seed``; keep it apart from the seed of
     an evaluation's masks), each run compacted over its kept tokens
-    (:func:`~probe.key_removal.key_removal_gradient` ``kept=``): every source is averaged over the
+    (:func:`~probe.probes.key_removal.key_removal_gradient` ``kept=``): every source is averaged over the
     first pass and the ``pairs`` contexts that keep it. ``1 + 2 * pairs`` forward+backward passes.
     ``presence=1, pairs=2`` is the sampled estimate anchored at the full context. A source scores the
     sum over its tokens.
@@ -212,9 +212,9 @@ def at2(
     top_k: int = 30,
 ) -> Detection:
     """AT2 (Cohen-Wang et al. 2025, "Learning to Attribute with Attention"): per-head weights, learned
-    from this toolkit's ablations (:mod:`probe.at2`), on the answer rows' attention mass and saliency.
+    from this toolkit's ablations (:mod:`probe.probes.at2`), on the answer rows' attention mass and saliency.
 
-    ``weights``: a :class:`~probe.at2.HeadWeights` or its file; ``None`` = the weights bundled for the
+    ``weights``: a :class:`~probe.probes.at2.HeadWeights` or its file; ``None`` = the weights bundled for the
     model's architecture (SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder-0.5B; learn others' with
     ``python -m analyses.learn_head_weights``). One forward+backward pass over every layer, shared
     with the attention family in :func:`detect_many`. A source scores the sum over its tokens.
@@ -227,10 +227,11 @@ def at2(
 
 @register("attn_lrp")
 def attn_lrp(model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool | str = "auto") -> Detection:
-    """AttnLRP relevance (Achtibat et al., ICML 2024; :func:`probe.lrp.relevance`): gradient × input at
+    """AttnLRP relevance (Achtibat et al., ICML 2024; :func:`probe.attention.lrp.relevance`): gradient ×
+    input at
     the embeddings with the LRP rules for attention, products, norms and gated MLPs, explaining the
     gold answer tokens' logits. One forward and backward; a source scores the sum of its tokens'
-    relevance. ``checkpoint``: see :mod:`probe.attribution`."""
+    relevance. ``checkpoint``: see :mod:`probe.probes.attribution`."""
     return _additive(relevance(model, sample.input_ids, sample.target_positions, checkpoint), sample, top_k)
 
 
@@ -252,7 +253,7 @@ def integrated_gradients(
     score is |Σ_d attribution| (``details["signed"]`` keeps the sign).
     ``details["convergence_delta"]`` is captum's completeness gap |Σ attributions − (f(x) − f(baseline))|:
     read it before trusting the scores (long inputs and few steps make it large). ``checkpoint``:
-    see :mod:`probe.attribution` (planned per batch of ``internal_batch_size`` interpolated inputs).
+    see :mod:`probe.probes.attribution` (planned per batch of ``internal_batch_size`` interpolated inputs).
     """
     from captum.attr import LayerIntegratedGradients
 

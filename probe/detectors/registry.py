@@ -1,7 +1,8 @@
 """The detector registry: :class:`Detection`, ``@register(name)``, and what every detector shares.
 
 A detector is named once, in ``@register(name)``, which also says how it runs: on passes of its own,
-or read off the one shared answer-attribution pass (``shared_pass=``, :class:`SharedPass`). The
+or read off the one shared answer-attribution pass (``shared_pass=``, :class:`SharedPass`). A name is
+looked up once, by :func:`resolve`, into a :class:`Registered` that every later step uses. The
 registry stamps the name on its result, checks the sample fits the model, records a non-default target
 among the settings and moves the result's tensors to the CPU. :func:`names` lists the registered
 detectors in registration order: the one-pass detectors, the baselines, the ablations
@@ -15,32 +16,32 @@ import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from probe.attribution import AnswerAttribution, answer_attribution, attention_rows
 from probe.checks import check_layers, check_option, check_sample_fits, check_tokenizer
 from probe.detectors.detection import Detection
 from probe.errors import InvalidTypeError, InvalidValueError
+from probe.probes.attribution import AnswerAttribution, answer_attribution, attention_rows
 from probe.target import CHECKED, describe, vocabulary_size
 from probe.tasks import Sample, check_sample
 
 Detector = Callable[..., Detection]
-_REGISTRY: dict[str, Detector] = {}
 
 
 @dataclass(frozen=True)
 class SharedPass:
-    """How a detector reads the shared answer-attribution pass (:func:`probe.attribution.answer_attribution`).
+    """How a detector reads the shared answer-attribution pass
+    (:func:`probe.probes.attribution.answer_attribution`).
 
     ``layers``: the layers the pass must capture for it: ``"layers"`` (those its ``layers`` option names),
     ``"all"``, or ``"none"`` (it reads no attention rows). ``backward``: whether it reads gradients; one
-    that reads none runs alone as a forward pass (:func:`probe.attribution.attention_rows`).
+    that reads none runs alone as a forward pass (:func:`probe.probes.attribution.attention_rows`).
     ``key_bias``: whether it reads the gradient of a key bias at 0
-    (:meth:`~probe.attribution.AnswerAttribution.key_removal_gradient`), which the pass then holds.
+    (:meth:`~probe.probes.attribution.AnswerAttribution.key_removal_gradient`), which the pass then holds.
     """
 
     layers: str = "layers"
@@ -63,8 +64,60 @@ class SharedPass:
         return check_layers(model, options.get("layers", default))
 
 
-_SHARED: dict[str, tuple[SharedPass, Callable[..., Detection]]] = {}
 PASS_OPTIONS = ("checkpoint", "target")  # how the shared pass runs and what it explains
+RANKING_OPTIONS = ("rank_by", "top_m", "ranking")  # a detector pruned by the rankings of others
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A registered detector, as :func:`resolve` gives it for its name: all that running it needs.
+
+    ``detector``: what :func:`~probe.detectors.detect` calls, ``(model, tokenizer, sample, **options)``
+    (the registry's checked wrapper, or what :func:`replace` put in its place). ``shared_pass`` and
+    ``reader``: how it reads the shared pass and the function that reads it, ``None`` for a detector
+    running passes of its own. ``takes_ranking``: it takes the options :data:`RANKING_OPTIONS`, so,
+    pruned (``top_m``), it ranks sources by the detectors ``rank_by`` names and takes their source scores
+    as ``ranking`` instead of running them (``leave_one_out``): :func:`~probe.detectors.detect_many`
+    hands over those it has made already.
+    """
+
+    name: str
+    detector: Detector
+    shared_pass: SharedPass | None = None
+    reader: Callable[..., Detection] | None = None
+    takes_ranking: bool = False
+
+    @property
+    def options(self) -> list[str]:
+        """The options it accepts (beyond model, tokenizer and sample)."""
+        return list(inspect.signature(self.detector).parameters)[3:]
+
+    def _refuse_unknown(self, given: Iterable[str]) -> None:
+        """Refuse options it does not take, with a ``TypeError`` (as Python refuses an unexpected keyword)
+        that lists the options it does take."""
+        accepted = self.options
+        unknown = sorted(set(given) - set(accepted))
+        if unknown:
+            listed = ", ".join(map(repr, unknown))
+            raise InvalidTypeError(
+                f"detector {self.name!r} takes no option {listed}; its options: {accepted}"
+            )
+
+    def option_default(self, option: str) -> Any:
+        """The default value of its ``option``, as its signature gives it."""
+        self._refuse_unknown([option])
+        return inspect.signature(self.detector).parameters[option].default
+
+    def check_options(self, given: Mapping[str, Any]) -> None:
+        """Refuse an option it does not take (a ``TypeError`` listing those it takes) and a value the
+        option's annotation rules out (:func:`probe.checks.check_option`), before any model work."""
+        self._refuse_unknown(given)
+        parameters = inspect.signature(self.detector).parameters
+        for option, value in given.items():
+            check_option(value, str(parameters[option].annotation), f"detector {self.name!r} option {option}")
+
+
+_REGISTRY: dict[str, Registered] = {}
 
 
 def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Callable], Detector]:
@@ -72,10 +125,11 @@ def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Call
 
     Without ``shared_pass`` the function is the detector, ``fn(model, tokenizer, sample, **options)``.
     With one, it is a reader of the shared pass, ``fn(model, attribution, sample, **options)`` (an
-    :class:`~probe.attribution.AnswerAttribution` over the layers ``shared_pass`` asks for), and the
+    :class:`~probe.probes.attribution.AnswerAttribution` over the layers ``shared_pass`` asks for), and the
     registry makes the detector: one pass, then ``fn``; a detector that reads gradients gains the pass's
-    options ``checkpoint`` (:mod:`probe.attribution`) and ``target`` (:mod:`probe.target`).
-    :func:`~probe.detectors.detect_many` reads every such detector off one pass.
+    options ``checkpoint`` (:mod:`probe.probes.attribution`) and ``target`` (:mod:`probe.target`).
+    :func:`~probe.detectors.detect_many` reads every such detector off one pass. A detector taking the
+    options :data:`RANKING_OPTIONS` is one that ranks by others (:attr:`Registered.takes_ranking`).
 
     Returns the detector, its :class:`Detection` carrying ``name`` (a detector never writes its own
     name). Refuses a name already taken and a function with another signature.
@@ -91,7 +145,7 @@ def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Call
 
         @functools.wraps(fn)
         def named(model, tokenizer, sample: Sample, **options) -> Detection:
-            check_options(name, options)
+            registered.check_options(options)
             check_tokenizer(tokenizer, optional=True)  # the sample carries its ids
             check_sample(sample)
             check_answered(sample)
@@ -103,9 +157,10 @@ def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Call
             return finished(detection, name, sample, time.perf_counter() - start, options.get("target"))
 
         named.__signature__ = inspect.signature(run)
-        _REGISTRY[name] = named
-        if shared_pass is not None:
-            _SHARED[name] = (shared_pass, fn)
+        takes_ranking = set(RANKING_OPTIONS) <= set(inspect.signature(run).parameters)
+        reader = None if shared_pass is None else fn
+        registered = Registered(name, named, shared_pass, reader, takes_ranking)
+        _REGISTRY[name] = registered
         return named
 
     return add
@@ -116,26 +171,24 @@ def sandbox() -> Iterator[None]:
     """A block in which :func:`register` and :func:`replace` change the registry only until it ends (even
     by an exception): a detector tried in a notebook or a test, or one wrapped to count its calls, leaves
     the registry as it was."""
-    saved = dict(_REGISTRY), dict(_SHARED)
+    saved = dict(_REGISTRY)
     try:
         yield
     finally:
         _REGISTRY.clear()
-        _REGISTRY.update(saved[0])
-        _SHARED.clear()
-        _SHARED.update(saved[1])
+        _REGISTRY.update(saved)
 
 
 def replace(name: str, detector: Detector) -> Detector:
     """Put ``detector`` in place of the registered detector ``name`` (e.g. it, wrapped to count its calls)
     and return the one it replaces. Meant inside :func:`sandbox`, which puts the original back."""
-    replaced = lookup(name)
+    replaced = resolve(name)
     if not callable(detector):
         raise InvalidTypeError(
             f"detector must be callable (model, tokenizer, sample, **options), got {detector!r}"
         )
-    _REGISTRY[name] = detector
-    return replaced
+    _REGISTRY[name] = dataclasses.replace(replaced, detector=detector)
+    return replaced.detector
 
 
 def _alone(read: Callable[..., Detection], shared_pass: SharedPass) -> Detector:
@@ -181,8 +234,8 @@ def run_pass(
 
 def shared_pass(name: str) -> tuple[SharedPass, Callable[..., Detection]] | None:
     """How detector ``name`` reads the shared pass and its reader, or ``None`` if it runs its own."""
-    lookup(name)
-    return _SHARED.get(name)
+    registered = resolve(name)
+    return None if registered.shared_pass is None else (registered.shared_pass, registered.reader)
 
 
 def finished(
@@ -219,50 +272,34 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def lookup(name: str) -> Detector:
-    """The registered detector ``name``; the one place an unknown name is refused."""
+def resolve(name: str) -> Registered:
+    """The registered detector ``name``; the one place a name is looked up and an unknown one refused."""
     if not isinstance(name, str) or name not in _REGISTRY:
         raise InvalidValueError(f"unknown detector {name!r}; registered detectors: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
 
 
+def lookup(name: str) -> Detector:
+    """The registered detector ``name``, the function :func:`~probe.detectors.detect` calls."""
+    return resolve(name).detector
+
+
 def looked_up(names: str | Sequence[str]) -> list[str]:
-    """``names`` (one detector name or several) as a list, every name checked by :func:`lookup`."""
+    """``names`` (one detector name or several) as a list, every name checked by :func:`resolve`."""
     listed = [names] if isinstance(names, str) else list(names)
     for name in listed:
-        lookup(name)
+        resolve(name)
     return listed
 
 
 def options(name: str) -> list[str]:
     """The options detector ``name`` accepts (beyond model, tokenizer and sample)."""
-    return list(inspect.signature(lookup(name)).parameters)[3:]
-
-
-def _refuse_unknown(name: str, given: Iterable[str]) -> None:
-    """Refuse options detector ``name`` does not take, with a ``TypeError`` (as Python refuses an unexpected
-    keyword) that lists the options it does take."""
-    accepted = options(name)
-    unknown = sorted(set(given) - set(accepted))
-    if unknown:
-        listed = ", ".join(map(repr, unknown))
-        raise InvalidTypeError(f"detector {name!r} takes no option {listed}; its options: {accepted}")
+    return resolve(name).options
 
 
 def option_default(name: str, option: str) -> Any:
     """The default value of detector ``name``'s ``option``, as its signature gives it."""
-    _refuse_unknown(name, [option])
-    return inspect.signature(lookup(name)).parameters[option].default
-
-
-def check_options(name: str, given: dict[str, Any]) -> None:
-    """Refuse an option detector ``name`` does not take (a ``TypeError``, as Python refuses an unexpected
-    keyword), and a value its annotation rules out
-    (:func:`probe.checks.check_option`), before any model work."""
-    _refuse_unknown(name, given)
-    parameters = inspect.signature(lookup(name)).parameters
-    for option, value in given.items():
-        check_option(value, str(parameters[option].annotation), f"detector {name!r} option {option}")
+    return resolve(name).option_default(option)
 
 
 def check_answered(sample: Sample) -> None:

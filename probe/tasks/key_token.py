@@ -3,7 +3,7 @@
 LongPPL (Fang et al., ICLR 2025, eqs. 2–4) calls a token *key* when the long context raises its
 log-probability by more than α nats over a short context of the last K tokens (LSD > α) and the
 model predicts it well with the long context (LCL > β). This task takes consecutive essay sentences
-from a random place, scores them with :func:`probe.lsd.lsd_scores` on the given model, picks one key
+from a random place, scores them with :func:`probe.probes.lsd.lsd_scores` on the given model, picks one key
 token at random among those within 5 % of ``length`` tokens (the next window of the essays if there is
 none, up to 8 windows), and asks the most natural long-context
 attribution question: which earlier sentences does this prediction depend on?
@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from probe.checks import model_context
 from probe.errors import InvalidValueError
-from probe.lsd import key_token_mask, lsd_scores
+from probe.probes.lsd import key_token_mask, lsd_scores
 from probe.tasks.noise import sentence_stream
 from probe.tasks.sample import Prompt, Sample, Unit, render
 
@@ -57,7 +57,7 @@ def key_token(
     d = K if d is None else int(d)
     if model is None:
         raise InvalidValueError(
-            "the key-token task finds its token with probe.lsd on a model: "
+            "the key-token task finds its token with probe.probes.lsd on a model: "
             "tasks.make('key-token', tokenizer, length, seed, model=model)"
         )
     if chat:

@@ -2,8 +2,8 @@
 
 The long-context likelihood log P(x_t | x_<t) (Fang et al. 2025, eq. 3) and the short-context one
 log P(x_t | s_t) (eq. 2, s_t the last K tokens before x_t) — the two terms of the long-short
-difference of :mod:`probe.lsd` — and the per-token log-probabilities the LongCE objective weights
-(:mod:`probe.objectives`). Throughout, ``target_positions`` are the positions t of the predicted
+difference of :mod:`probe.probes.lsd` — and the per-token log-probabilities the LongCE objective weights
+(:mod:`probe.training.objectives`). Throughout, ``target_positions`` are the positions t of the predicted
 tokens; the row that predicts token t is t − 1, and ``target_ids`` are the ids x_t predicted.
 
 **Short contexts** (App. A.1, eq. 8). Scored tokens come in blocks of ``d`` that share one window

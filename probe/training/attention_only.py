@@ -27,7 +27,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
 from probe.errors import InvalidValueError
-from probe.graph import causal_mask
+from probe.probes.position_bias import causal_mask
 from probe.tasks.classification import Episodes, InContextClassification
 
 MASKS = ("full", "causal", "decay", "window", "prefix")

@@ -9,7 +9,7 @@ pass follows the paper's rules, so that gradient × input at the embeddings is t
   (y / x) · ∂/∂y, so the relevance passes on unchanged;
 - uniform rule (eq. 7) on products of two inputs: the gated MLP's act(gate) · up (each factor gets
   half the gradient), A · V (the value's gradient halved) and q · kᵀ inside the softmax (query and key
-  gradients quartered, the attention function's modifier, :func:`probe.modifiers.lrp_attention`);
+  gradients quartered, the attention function's modifier, :func:`probe.attention.modifiers.lrp_attention`);
 - softmax: its plain gradient (the paper's rule for the softmax with its bias term, §3.3.1).
 
 :func:`relevance` explains the sum of the gold answer tokens' logits (the paper explains one logit).
@@ -26,10 +26,10 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from probe.attention.modifiers import lrp_attention, scale_gradient
+from probe.attention.shared_state import frozen_parameters
 from probe.checks import UnsupportedModelError, check_input_ids, check_positions, hf_model
-from probe.modifiers import lrp_attention, scale_gradient
-from probe.planner import guarded
-from probe.shared_state import frozen_parameters
+from probe.memory.planner import guarded
 
 
 class _IdentityRule(torch.autograd.Function):
@@ -102,7 +102,7 @@ def relevance(
     """AttnLRP relevance of each input token for Σ_t logit(x_t) at rows t − 1: Tensor[seq].
 
     R_i = e_i · ∂(Σ_t logit_t)/∂e_i under :func:`lrp_rules` (one forward and one backward pass);
-    positive = the token speaks for the answer. ``checkpoint``: see :mod:`probe.attribution`.
+    positive = the token speaks for the answer. ``checkpoint``: see :mod:`probe.probes.attribution`.
     """
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)

@@ -15,14 +15,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probe.attribution import embedding_grads
-from probe.capture import trace
+from probe.attention.capture import trace
+from probe.attention.shared_state import frozen_parameters
 from probe.checks import check_layers, check_number, check_token_flags, hf_model, input_device
 from probe.errors import InvalidValueError
-from probe.objectives import denoised_embeddings, noise_tokens
-from probe.shared_state import frozen_parameters
+from probe.probes.attribution import embedding_grads
 from probe.target import target_loss
 from probe.tasks import CATEGORIES, Sample, check_sample
+from probe.training.objectives import denoised_embeddings, noise_tokens
 
 #: Ground-truth categories moved by each named ``move`` (``"detected"``: see :func:`moved_tokens`).
 #: ``"noise"`` moves CDT's irrelevant tokens (§3.1: book text and low-frequency words); the critical
@@ -39,7 +39,7 @@ def moved_tokens(sample: Sample, move: str | torch.Tensor, grads: torch.Tensor) 
 
     ``move`` is a name of :data:`MOVES` (ground-truth spans), ``"detected"`` (the prompt tokens that
     CDT eq. 1 does not flag as critical: ‖∇E(x_i)‖₂ below the mean over the prompt, see
-    :func:`probe.attribution.critical_tokens`; template and question tokens can be among them), or a
+    :func:`probe.probes.attribution.critical_tokens`; template and question tokens can be among them), or a
     bool Tensor[seq] of your own. ``grads`` is ∂L/∂E, Tensor[seq, hidden]. The ground-truth moves
     never touch the instruction, question, chat template or answer; ``"detected"`` never touches
     the answer.
@@ -87,7 +87,7 @@ def noise_restraint(
     (attention mass, :func:`category_mass`), ``ratio`` (after / before; NaN where a sliding-window
     layer cannot see the category at all), ``loss_before, loss_after`` (L on E and on E') and
     ``shift`` (mean ‖E' − E‖ / ‖E‖ over the moved tokens). Moving against the gradient lowers L
-    for small enough steps. ``checkpoint``: the gradient pass's (see :mod:`probe.attribution`).
+    for small enough steps. ``checkpoint``: the gradient pass's (see :mod:`probe.probes.attribution`).
     """
     check_sample(sample)
     lrs = np.atleast_1d(np.asarray(lr, dtype=object)).tolist()

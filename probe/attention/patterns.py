@@ -152,7 +152,8 @@ def bias_rows(
     bias: torch.Tensor, units: torch.Tensor | None, rows: torch.Tensor, q_len: int, kv_len: int, dtype
 ) -> torch.Tensor:
     """The key bias of ``rows`` [batch or 1, 1, rows, kv]: ``bias[b, j]`` on key j from each query i > j
-    (of another unit, with ``units`` LongTensor[kv]); 0 elsewhere (see :func:`probe.modifiers.bias_keys`)."""
+    (of another unit, with ``units`` LongTensor[kv]); 0 elsewhere (see
+    :func:`probe.attention.modifiers.bias_keys`)."""
     later = torch.arange(kv_len, device=rows.device)[None] < (kv_len - q_len + rows)[:, None]
     if units is not None:
         units = units.to(rows.device)

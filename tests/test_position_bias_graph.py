@@ -7,8 +7,8 @@ import torch
 from reference import eager_forward
 
 import probe
-from probe import graph
 from probe.checks import UnsupportedModelError
+from probe.probes import position_bias
 
 
 def dense_selectors(model, ids: torch.Tensor, lams: list[float] | None = None, head: int | None = None):
@@ -73,11 +73,12 @@ def direct_measured_mix(model, ids: torch.Tensor) -> torch.Tensor:
 
 def test_measured_mix_finds_attention_generically(tiny):
     ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(4))
-    modules = graph.attention_modules(tiny)
+    modules = position_bias.attention_modules(tiny)
     assert [(layer, attention) for layer, attention in modules] == [
         (layer, layer.self_attn) for layer in tiny.get_decoder().layers
     ]
-    torch.testing.assert_close(graph.measured_mix(tiny, ids), direct_measured_mix(tiny, ids), atol=0, rtol=0)
+    measured = position_bias.measured_mix(tiny, ids)
+    torch.testing.assert_close(measured, direct_measured_mix(tiny, ids), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("broken", ["missing", "duplicate"])
@@ -89,12 +90,12 @@ def test_attention_modules_unsupported_model(broken):
     else:
         attention.layer_idx = 0
     with pytest.raises(UnsupportedModelError, match="one attention module"):
-        graph.measured_mix(model, torch.arange(8))
+        position_bias.measured_mix(model, torch.arange(8))
 
 
 def test_measured_mix(tiny):
     ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(3))
-    lams = graph.measured_mix(tiny, ids)
+    lams = position_bias.measured_mix(tiny, ids)
     assert lams.shape == (len(tiny.model.layers),) and ((lams > 0) & (lams < 1)).all()
     torch.testing.assert_close(
         probe.context_selector(tiny, ids, mix="measured"),
@@ -108,7 +109,7 @@ def test_measured_mix(tiny):
     with torch.no_grad():
         out_proj.zero_()
     try:
-        assert graph.measured_mix(tiny, ids)[0] == 0
+        assert position_bias.measured_mix(tiny, ids)[0] == 0
     finally:
         with torch.no_grad():
             out_proj.copy_(saved)
@@ -149,17 +150,17 @@ def test_bad_input(kwargs, error, message):
 
 
 def test_cesaro_powers_match_the_verified_values():
-    rows = graph.selector_rows(graph.cesaro(64), n_layers=8)  # row k: k + 1 layers
+    rows = position_bias.selector_rows(position_bias.cesaro(64), n_layers=8)  # row k: k + 1 layers
     assert [round(rows[t - 1, 0].item(), 4) for t in (2, 4, 8)] == [0.0741, 0.3447, 0.8661]
-    tail = 1 - graph.selector_rows(graph.cesaro(64), n_layers=40)[:, 0]
+    tail = 1 - position_bias.selector_rows(position_bias.cesaro(64), n_layers=40)[:, 0]
     assert tail[39] / tail[38] == pytest.approx(0.5, abs=1e-3)  # second eigenvalue 1/2
 
 
 @pytest.mark.parametrize("n_layers", [1, 2, 5])
 def test_cesaro_closed_form_is_exact(n_layers):
-    exact = graph.cesaro_exact_row(12, n_layers)
+    exact = position_bias.cesaro_exact_row(12, n_layers)
     assert sum(exact) == 1
-    power = torch.linalg.matrix_power(graph.cesaro(12), n_layers)[-1]
+    power = torch.linalg.matrix_power(position_bias.cesaro(12), n_layers)[-1]
     torch.testing.assert_close(
         torch.tensor([float(f) for f in exact], dtype=torch.float64), power, atol=1e-14, rtol=0
     )
@@ -168,8 +169,8 @@ def test_cesaro_closed_form_is_exact(n_layers):
 
 @pytest.mark.parametrize("n_layers", [1, 2, 4, 8, 16, 32])
 def test_decay_closed_form_is_negative_binomial(n_layers):
-    numeric = graph.selector_rows(graph.decay_attention(64, 0.5), n_layers)[-1]
-    ratio = numeric / graph.decay_closed_form(64, n_layers, 0.5)
+    numeric = position_bias.selector_rows(position_bias.decay_attention(64, 0.5), n_layers)[-1]
+    ratio = numeric / position_bias.decay_closed_form(64, n_layers, 0.5)
     assert ((ratio[11:] - 1).abs() < 0.01).all()  # tokens j ≥ 12
     if n_layers >= 4:
         assert ratio[0] > 1.1  # the boundary inflation near token 1 the closed form leaves out
@@ -177,35 +178,35 @@ def test_decay_closed_form_is_negative_binomial(n_layers):
 
 @pytest.mark.parametrize("n_layers", [1, 2, 4, 8])
 def test_rope_interior_is_kernel_convolution(n_layers):
-    numeric = graph.selector_rows(graph.rope_attention(128, 0.02, 20.0), n_layers)[-1]
-    predicted = graph.rope_closed_form(128, n_layers, 0.02, 20.0)
+    numeric = position_bias.selector_rows(position_bias.rope_attention(128, 0.02, 20.0), n_layers)[-1]
+    predicted = position_bias.rope_closed_form(128, n_layers, 0.02, 20.0)
     torch.testing.assert_close(numeric[64:], predicted[64:], atol=1e-12, rtol=1e-6)
 
 
 def test_selector_rows_with_mixing_equal_matrix_powers():
-    attention = graph.cesaro(20)
+    attention = position_bias.cesaro(20)
     mixed = 0.5 * attention + 0.5 * torch.eye(20, dtype=torch.float64)
-    rows = graph.selector_rows(attention, 6, mix=0.5)
+    rows = position_bias.selector_rows(attention, 6, mix=0.5)
     torch.testing.assert_close(rows[5], torch.linalg.matrix_power(mixed, 6)[-1])
     lams = [0.9, 0.1, 0.5]
     product = torch.eye(20, dtype=torch.float64)
     for lam in lams:
         product = (lam * attention + (1 - lam) * torch.eye(20, dtype=torch.float64)) @ product
-    torch.testing.assert_close(graph.selector_rows(attention, 3, mix=lams)[-1], product[-1])
+    torch.testing.assert_close(position_bias.selector_rows(attention, 3, mix=lams)[-1], product[-1])
 
 
 def test_residual_mix_and_in_place_product():
-    attention = graph.cesaro(7)
-    assert graph.residual_mix(attention, None) is attention
+    attention = position_bias.cesaro(7)
+    assert position_bias.residual_mix(attention, None) is attention
     torch.testing.assert_close(
-        graph.residual_mix(attention, 0.3), 0.3 * attention + 0.7 * torch.eye(7, dtype=torch.float64)
+        position_bias.residual_mix(attention, 0.3), 0.3 * attention + 0.7 * torch.eye(7, dtype=torch.float64)
     )
     product = torch.eye(7, dtype=torch.float64)
-    graph.multiply_in_place(product, attention, block_size=3)
-    graph.multiply_in_place(product, attention, block_size=3)
+    position_bias.multiply_in_place(product, attention, block_size=3)
+    position_bias.multiply_in_place(product, attention, block_size=3)
     torch.testing.assert_close(product, attention @ attention)
     with pytest.raises(ValueError, match="not causal"):
-        graph.multiply_in_place(product, attention.T.contiguous(), block_size=3)
+        position_bias.multiply_in_place(product, attention.T.contiguous(), block_size=3)
 
 
 # --- sinks ---------------------------------------------------------------------------------------------
@@ -213,14 +214,14 @@ def test_residual_mix_and_in_place_product():
 
 def test_sink_rate_counts_edges_above_tau():
     seq = 5
-    mask = graph.causal_mask(seq)
-    attention = graph.cesaro(seq).float()[None]  # one layer; column j gets 1/i from rows i ≥ j
+    mask = position_bias.causal_mask(seq)
+    attention = position_bias.cesaro(seq).float()[None]  # one layer; column j gets 1/i from rows i ≥ j
     expected = torch.tensor([(1 / torch.arange(j + 1, seq + 1) > 0.2).float().mean() for j in range(seq)])
-    torch.testing.assert_close(graph.sink_rate(attention, mask), expected)
+    torch.testing.assert_close(position_bias.sink_rate(attention, mask), expected)
     sink = torch.zeros(seq, seq)
     sink[:, 0] = 1.0
     torch.testing.assert_close(
-        graph.sink_rate(torch.stack([sink, attention[0]]), mask)[0], (1 + expected[0]) / 2
+        position_bias.sink_rate(torch.stack([sink, attention[0]]), mask)[0], (1 + expected[0]) / 2
     )
 
 
@@ -228,17 +229,17 @@ def test_gu_sink():
     seq = 6
     sink = torch.zeros(2, seq, seq)
     sink[0, :, 0] = 1.0  # one head all on token 1: α_1 = 1
-    sink[1] = graph.cesaro(seq).float()  # α_1 = H_6 / 6 ≈ 0.41 > 0.3; α_k small for k > 1
-    rate = graph.gu_sink(sink)
+    sink[1] = position_bias.cesaro(seq).float()  # α_1 = H_6 / 6 ≈ 0.41 > 0.3; α_k small for k > 1
+    rate = position_bias.gu_sink(sink)
     assert rate[0] == 1.0 and rate[1:].max() < 1.0
-    assert graph.gu_sink(sink, epsilon=0.5)[0] == 0.5
+    assert position_bias.gu_sink(sink, epsilon=0.5)[0] == 0.5
 
 
 def test_masks():
-    assert graph.causal_mask(4).equal(torch.ones(4, 4, dtype=torch.bool).tril())
-    window = graph.causal_mask(6, window=2)
+    assert position_bias.causal_mask(4).equal(torch.ones(4, 4, dtype=torch.bool).tril())
+    window = position_bias.causal_mask(6, window=2)
     assert window.sum(1).tolist() == [1, 2, 2, 2, 2, 2]
-    prefix = graph.causal_mask(5, prefix=2)
+    prefix = position_bias.causal_mask(5, prefix=2)
     assert prefix[0, 1] and prefix[:, :2].all() and not prefix[2, 3]
 
 

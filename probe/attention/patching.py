@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from probe.attention import OUTPUTS, LayerCall, Modifier, modify
-from probe.capture import HOOK_NAMES, ActivationCache
-from probe.checkpointing import recomputing
+from probe.attention.capture import HOOK_NAMES, ActivationCache
+from probe.attention.modifiers import HeadModifier, check_heads
 from probe.checks import check_layers, hf_model, n_layers
 from probe.errors import InvalidTypeError, InvalidValueError, MissingKeyError
-from probe.modifiers import HeadModifier, check_heads
+from probe.memory.checkpointing import recomputing
 
 if TYPE_CHECKING:
-    from probe.shapes import Shapes
+    from probe.memory.shapes import Shapes
 
 
 @dataclass(eq=False)

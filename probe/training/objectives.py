@@ -1,7 +1,7 @@
 """Training objectives of the papers: LongCE (the LongPPL paper), CDT and LOGO.
 
 - **LongCE** (Fang et al. 2025, eqs. 6–7): cross-entropy with token weights min(exp(LSD), γ), where the
-  model scores its own long-short difference online (:mod:`probe.lsd`, :mod:`probe.logprobs`).
+  model scores its own long-short difference online (:mod:`probe.probes.lsd`, :mod:`probe.probes.logprobs`).
   :func:`longce_loss` weights every token of a sequence; :func:`longce_target_loss` weights only
   the target tokens (e.g. an answer), the setting of our fine-tuning experiment.
 - **CDT** (Context Denoising Training, §4): critical tokens are those whose embedding-gradient norm
@@ -20,12 +20,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from probe.attribution import critical_tokens, embedding_grads
 from probe.checks import check_input_ids, check_positions, hf_model
 from probe.errors import InvalidValueError
-from probe.logprobs import final_hidden_states, short_logprobs, target_logprobs
-from probe.lsd import soft_influence
-from probe.planner import guarded
+from probe.memory.planner import guarded
+from probe.probes.attribution import critical_tokens, embedding_grads
+from probe.probes.logprobs import final_hidden_states, short_logprobs, target_logprobs
+from probe.probes.lsd import soft_influence
 from probe.target import target_loss
 
 __all__ = [
@@ -46,7 +46,7 @@ __all__ = [
 
 def longce_weights(lsd: torch.Tensor, gamma: float = 5.0) -> torch.Tensor:
     """LongCE token weights (eq. 7), detached Tensor[seq] from LSD Tensor[seq]: min(exp(LSD), γ)
-    (:func:`probe.lsd.soft_influence`), and 1 where LSD is NaN (no short-context score)."""
+    (:func:`probe.probes.lsd.soft_influence`), and 1 where LSD is NaN (no short-context score)."""
     return torch.nan_to_num(soft_influence(lsd.detach(), gamma), nan=1.0)
 
 
@@ -56,7 +56,7 @@ def longce_loss(
     """LongCE (eq. 6): −1/(n−1) Σ_t w_t log P(x_t | x_<t), w = :func:`longce_weights` of the model's own LSD.
 
     ``input_ids`` is [n] or [1, n]; returns a scalar. The model scores itself (its short passes,
-    :func:`probe.logprobs.short_logprobs`, without gradients); the mean runs over all n−1 predicted
+    :func:`probe.probes.logprobs.short_logprobs`, without gradients); the mean runs over all n−1 predicted
     tokens and is not normalized by Σw, as in the paper. Gradients flow through the long pass only;
     its LM head is checkpointed per chunk.
     """
@@ -80,7 +80,7 @@ def longce_target_loss(
     ``input_ids`` is [seq] or [1, seq], ``target_positions`` the T positions scored (each ≥ 1).
     w_t = :func:`longce_weights` (min(exp(LSD_t), γ), detached) of the model's own LSD, with the
     short context of the last K tokens (``d`` = 1: exactly K per target; see
-    :func:`probe.logprobs.short_context_blocks`). Targets at t ≤ K have no short context and weight 1:
+    :func:`probe.probes.logprobs.short_context_blocks`). Targets at t ≤ K have no short context and weight 1:
     if every target is that close to the start, this is plain cross-entropy of the targets.
     Returns a scalar with gradients to the parameters through log P (the short passes run
     without gradients).
@@ -103,7 +103,7 @@ def longce_target_loss(
 def noise_tokens(grad_norms: torch.Tensor, context: int | None = None) -> torch.Tensor:
     """The tokens CDT moves: bool Tensor[seq], the first ``context`` tokens that are not critical.
 
-    ~I(x_i) of eq. 1 (:func:`~probe.attribution.critical_tokens`) restricted to the context: tokens
+    ~I(x_i) of eq. 1 (:func:`~probe.probes.attribution.critical_tokens`) restricted to the context: tokens
     at or after ``context`` (e.g. the answer) are never moved.
     """
     noise = ~critical_tokens(grad_norms, context)
@@ -151,7 +151,7 @@ def cdt_loss(
 
     1. ∇E = ∂L/∂E of the mean cross-entropy of the tokens at ``target_positions`` (each predicted
        from row t − 1), parameters frozen (:func:`probe.embedding_grads`): Tensor[seq, hidden].
-    2. I(x_i) = :func:`~probe.attribution.critical_tokens` of ‖∇E(x_i)‖₂ over the first ``context``
+    2. I(x_i) = :func:`~probe.probes.attribution.critical_tokens` of ‖∇E(x_i)‖₂ over the first ``context``
        tokens (eq. 1).
     3. E' = :func:`denoised_embeddings` moving the noise tokens, ``move = ~I`` (the text's reading
        of eq. 2; :func:`noise_tokens`), with the learning rate ``lr`` and β (paper: 5). Tokens at
@@ -162,7 +162,7 @@ def cdt_loss(
     embedding table trains as in plain fine-tuning ("we unfreeze the model"). Parameter flags and
     train/eval mode are left as they were (step 1 runs in eval mode, step 4 in the model's mode).
 
-    ``checkpoint`` (``False | True | "auto"``, see :mod:`probe.attribution`) applies to both
+    ``checkpoint`` (``False | True | "auto"``, see :mod:`probe.probes.attribution`) applies to both
     passes: with it, step 4's decoder layers are recomputed when the returned loss is
     back-propagated, and the gradients are the same.
     """

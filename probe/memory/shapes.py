@@ -1,4 +1,4 @@
-"""What the memory planner (:mod:`probe.planner`) needs to know about a model: :class:`Shapes`."""
+"""What the memory planner (:mod:`probe.memory.planner`) needs to know about a model: :class:`Shapes`."""
 
 from __future__ import annotations
 
@@ -97,7 +97,8 @@ class Shapes:
         return everywhere or (window is not None and seq > window)
 
     def saved(self, layer: int, seq: int, masked: bool, first: bool, path: str = "sdpa") -> int:
-        """Bytes ``layer`` saves for backward per token, float mask excluded (formula S in probe.planner).
+        """Bytes ``layer`` saves for backward per token, float mask excluded (formula S in
+        probe.memory.planner).
 
         ``first``: nothing upstream needs a gradient, so only the part after the attention output
         is saved (the first captured layer of ``information_flow``). ``path``: how its attention runs

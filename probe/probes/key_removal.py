@@ -9,12 +9,12 @@ from contextlib import nullcontext
 
 import torch
 
+from probe.attention.modifiers import bias_keys, mask_keys
+from probe.attention.shared_state import frozen_parameters
 from probe.checks import check_input_ids, check_int, check_positions, check_token_flags, hf_model
-from probe.compaction import check_before_answer, compacted, compaction_supported
 from probe.errors import InvalidValueError
-from probe.modifiers import bias_keys, mask_keys
-from probe.planner import guarded
-from probe.shared_state import frozen_parameters
+from probe.faithfulness.compaction import check_before_answer, compacted, compaction_supported
+from probe.memory.planner import guarded
 from probe.target import Target, target_of
 
 
@@ -32,17 +32,19 @@ def key_removal_gradient(
 ) -> torch.Tensor:
     """∂ log P(answer) / ∂b_j at b = 0 (``target``: of another number about the answer, see
     :mod:`probe.target`), where b_j is added to the attention logit of key j from every
-    later query, in every layer and head (:func:`probe.modifiers.bias_keys`): Tensor[seq].
+    later query, in every layer and head (:func:`probe.attention.modifiers.bias_keys`): Tensor[seq].
 
     A first-order estimate of what removing token j everywhere does to the answer's log-probability
     (``b_j → −∞`` hides key j): positive = the answer leans on it. Unlike scores read off the
     answer rows, it includes indirect paths (a later token that copied token j). Summed over a
     source's tokens it estimates removing the source. One forward and one backward. On CPU the bias
-    rides in the flash kernel (:mod:`probe.flash_key_bias`), at about a plain pass's time and memory;
-    on CUDA the backward of each layer materializes the attention of every row (``[heads, seq,
-    seq]``), so without checkpointing every layer keeps its own: the key-bias modifier states its
-    terms to the planner (:meth:`probe.modifiers.KeyBias.memory`), and ``checkpoint="auto"``
-    recomputes one layer at a time when the plain pass would not fit.
+    rides in the flash kernel (:mod:`probe.attention.flash_key_bias`), at about a plain pass's time and
+    memory; on CUDA in compiled FlexAttention's score function (:mod:`probe.attention.flex_key_bias`).
+    Elsewhere (other devices, soft-capped or sink logits) the backward of each layer materializes the
+    attention of every row (``[heads, seq, seq]``), so without checkpointing every layer keeps its own:
+    the key-bias modifier states its terms to the planner
+    (:meth:`probe.attention.modifiers.KeyBias.memory`), and ``checkpoint="auto"`` recomputes one layer
+    at a time when the plain pass would not fit.
 
     ``depth > 0``: the gradient integrated along the path that lowers every key's bias together from
     0 to −``depth`` (integrated gradients on the key biases, midpoint rule over ``steps`` points):
@@ -56,7 +58,7 @@ def key_removal_gradient(
 
     ``kept``: BoolTensor[seq]; the other tokens are removed first and the gradient is taken in what is
     left: the pass runs only the kept tokens at their original positions
-    (:func:`probe.modifiers.original_positions`, exact as key masking; models without
+    (:func:`probe.attention.modifiers.original_positions`, exact as key masking; models without
     ``position_ids`` key-mask instead). Removed tokens score 0. The answer tokens and the rows that
     predict them, and every token after, must be kept.
 

@@ -6,7 +6,7 @@ given (GQA: per query head), with the model's own mask and every active modifier
 ``grad=True`` it replaces those rows of the output by ``A[rows]·V`` so autograd yields ∂L/∂A[rows]
 exactly. Memory is O(layers·heads·rows·seq), not O(layers·heads·seq²). Tensors land in an
 :class:`ActivationCache` under TransformerLens's names (``blocks.{l}.attn.hook_pattern``,
-``…hook_pattern_grad``; :func:`probe.patching.record_heads` adds ``…hook_z``).
+``…hook_pattern_grad``; :func:`probe.attention.patching.record_heads` adds ``…hook_z``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from probe.attention import OUTPUTS, LayerCall, Modifier, active_modifiers, modify, not_reached
-from probe.checkpointing import recomputing
+from probe.attention.patterns import apply_pattern, pattern_blocks
 from probe.checks import check_int, check_integers, check_layers, hf_model, n_layers
 from probe.errors import InvalidValueError, MissingKeyError, OutOfRangeError
-from probe.patterns import apply_pattern, pattern_blocks
+from probe.memory.checkpointing import recomputing
 
 HOOK_NAMES = {
     "pattern": "blocks.{layer}.attn.hook_pattern",

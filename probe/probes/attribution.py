@@ -1,15 +1,17 @@
 """Attention rows, full attention matrices, information flow and embedding gradients.
 
-Every function here reads attention through :func:`probe.capture.trace`; none holds
+Every function here reads attention through :func:`probe.attention.capture.trace`; none holds
 full-vocabulary logits or all layers' full attention matrices. Each checks its memory plan first
-(:func:`probe.planner.guarded`: a clear :class:`~probe.planner.InsufficientMemoryError` instead of
+(:func:`probe.memory.planner.guarded`: a clear :class:`~probe.memory.planner.InsufficientMemoryError` instead
+of
 being killed), and the gradient probes take ``checkpoint=False | True | "auto"``: decoder layers
-recomputed in the backward pass (:func:`probe.checkpointing.checkpointed`), same result, activation memory
+recomputed in the backward pass (:func:`probe.memory.checkpointing.checkpointed`), same result, activation
+memory
 O(seq·hidden·layers); ``"auto"`` (the default) turns it on when the plain pass would not fit.
 :func:`answer_attribution` gets the answer rows' attention, its gradient and the input-embedding
 gradient from one forward+backward pass, for every detector that needs any of them.
 
-Every function takes one sequence or several (:mod:`probe.batch`, one pass for all): one sequence
+Every function takes one sequence or several (:mod:`probe.attention.batch`, one pass for all): one sequence
 (LongTensor[seq] or [1, seq], a list of ids; its positions a list) gives one result, several (a list
 of sequences or a padded batch with ``attention_mask``; a list of positions each) a list, one a sequence.
 """
@@ -22,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.batch import Batch, batch_loss, batch_of, is_batch
-from probe.capture import trace
+from probe.attention.batch import Batch, batch_loss, batch_of, is_batch
+from probe.attention.capture import trace
+from probe.attention.modifiers import bias_keys
+from probe.attention.shared_state import frozen_parameters
 from probe.checks import check_input_ids, check_integers, check_layers, hf_model, input_device
 from probe.errors import InvalidValueError
-from probe.modifiers import bias_keys
-from probe.planner import guarded
-from probe.shared_state import frozen_parameters
+from probe.memory.planner import guarded
 from probe.target import Target
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
@@ -38,7 +40,7 @@ EachPositions = Sequence[torch.Tensor] | Sequence[Sequence[int]]  # one list of 
 
 
 def _batch(model, input_ids: Ids, positions, attention_mask, what: str, minimum: int) -> tuple[Batch, bool]:
-    """(the sequences as a :class:`~probe.batch.Batch`, whether one sequence was given)."""
+    """(the sequences as a :class:`~probe.attention.batch.Batch`, whether one sequence was given)."""
     if is_batch(input_ids, attention_mask):
         return batch_of(model, input_ids, positions, attention_mask, what, minimum), False
     ids = check_input_ids(model, input_ids)
@@ -69,7 +71,7 @@ def attention_rows(
     One forward pass with the fused kernel; only the requested rows are recomputed.
     GQA models report one pattern per query head. ``inputs_embeds`` (Tensor[seq, hidden]) replaces
     the embeddings of ``input_ids`` (e.g. denoised embeddings, CDT eq. 2). Several sequences
-    (:mod:`probe.batch`: a list, or ``[batch, seq]`` with ``attention_mask``) with one list of
+    (:mod:`probe.attention.batch`: a list, or ``[batch, seq]`` with ``attention_mask``) with one list of
     ``rows`` each run as one pass and give one such tensor per sequence, over its own tokens.
     """
     batch, single = _batch(model, input_ids, rows, attention_mask, "rows", 0)
@@ -169,7 +171,7 @@ def information_flow(
       as the reference code does)
     - ``"abs_then_sum"``: Σ_r Σ_h |A_h[r, i] · ∂L/∂A_h[r, i]|  (the formula as printed in the seed)
 
-    Several sequences (:mod:`probe.batch`), one list of ``target_positions`` each: one
+    Several sequences (:mod:`probe.attention.batch`), one list of ``target_positions`` each: one
     forward+backward of the sum of their losses, one Tensor[layers, seq_b] per sequence.
     """
     _check_reduce(reduce)
@@ -215,7 +217,7 @@ def embedding_grads(
     Same loss as :func:`information_flow`; parameters are frozen, so only the gradient with
     respect to the input embeddings is computed. ``inputs_embeds`` (Tensor[seq, hidden]) replaces
     the embeddings of ``input_ids``; the loss still scores the tokens of ``input_ids``. Several
-    sequences (:mod:`probe.batch`): one pass, one Tensor[seq_b, hidden] per sequence.
+    sequences (:mod:`probe.attention.batch`): one pass, one Tensor[seq_b, hidden] per sequence.
     """
     batch, single = _batch(model, input_ids, target_positions, attention_mask, "target_positions", 1)
     if inputs_embeds is not None and not single:
@@ -284,7 +286,8 @@ class AnswerAttribution:
     ``embeddings`` Tensor[seq, hidden], the e_i. L is the mean cross-entropy of the target tokens,
     as in :func:`information_flow` and :func:`embedding_grads`. A forward-only attribution
     (:meth:`forward_only`) holds the pattern alone, its gradients ``None``. ``key_bias_grad``:
-    Tensor[seq], ∂L/∂b_j of a key bias at 0 (:func:`probe.modifiers.bias_keys`), when the pass had one.
+    Tensor[seq], ∂L/∂b_j of a key bias at 0 (:func:`probe.attention.modifiers.bias_keys`), when the pass had
+    one.
     """
 
     pattern: torch.Tensor
@@ -330,7 +333,8 @@ class AnswerAttribution:
         return -len(self.rows) * (self.embeddings.float() * self.embedding_grad.float()).sum(-1)
 
     def key_removal_gradient(self) -> torch.Tensor:
-        """:func:`probe.key_removal.key_removal_gradient` from the captured key-bias gradient: Tensor[seq],
+        """:func:`probe.probes.key_removal.key_removal_gradient` from the captured key-bias gradient:
+        Tensor[seq],
         ∂ log P(answer)/∂b_j = −len(rows)·∂L/∂b_j (needs a pass with ``key_bias=True``)."""
         if self.key_bias_grad is None:
             raise InvalidValueError(
@@ -351,17 +355,19 @@ def answer_attribution(
 ) -> AnswerAttribution | list[AnswerAttribution]:
     """Attention rows, their gradients and the input-embedding gradients from one pass.
 
-    One forward (under :func:`probe.capture.trace` with ``grad=True``, the embeddings of
+    One forward (under :func:`probe.attention.capture.trace` with ``grad=True``, the embeddings of
     ``input_ids`` fed as ``inputs_embeds`` that require grad) and one backward of the loss of
     :func:`information_flow`, parameters frozen. Equal to :func:`attention_rows` of rows
     ``target_positions − 1``, :func:`information_flow` and :func:`embedding_grads` computed
     separately (three passes, two of them with a backward), for ``layers`` (``None`` = all).
-    Several sequences (:mod:`probe.batch`): one pass for all, one attribution per sequence.
+    Several sequences (:mod:`probe.attention.batch`): one pass for all, one attribution per sequence.
 
     ``key_bias``: the same pass also holds a key bias at 0 on every token
-    (:func:`probe.modifiers.bias_keys`, the model unchanged) and keeps its gradient, so
-    :meth:`AnswerAttribution.key_removal_gradient` equals :func:`probe.key_removal.key_removal_gradient`
-    without a pass of its own (a trace and a key bias compose: :attr:`probe.patterns.Logits.key_bias`).
+    (:func:`probe.attention.modifiers.bias_keys`, the model unchanged) and keeps its gradient, so
+    :meth:`AnswerAttribution.key_removal_gradient` equals
+    :func:`probe.probes.key_removal.key_removal_gradient`
+    without a pass of its own (a trace and a key bias compose:
+    :attr:`probe.attention.patterns.Logits.key_bias`).
     """
     batch, single = _batch(model, input_ids, target_positions, attention_mask, "target_positions", 1)
     layers = check_layers(model, layers)

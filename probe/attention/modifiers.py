@@ -14,6 +14,7 @@ import torch
 from transformers.masking_utils import sliding_window_overlay
 
 from probe.attention import (
+    FLEX,
     INPUTS,
     MASK,
     OUTPUTS,
@@ -23,16 +24,17 @@ from probe.attention import (
     MaskFrame,
     Modifier,
     active_modifiers,
-    flash_key_bias,
+    fused_key_bias,
     key_bias_mask_elements,
     modify,
     not_reached,
 )
+from probe.attention.flex_key_bias import BLOCK_MASK_BYTES
 from probe.checks import check_int, check_integers, check_layers, hf_model, model_context
 from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError
 
 if TYPE_CHECKING:
-    from probe.shapes import Shapes
+    from probe.memory.shapes import Shapes
 
 
 @dataclass(eq=False)
@@ -144,15 +146,20 @@ class KeyBias(Modifier):
     def memory(
         self, shapes: Shapes, seq_len: int, batch: int, checkpoint: bool, alongside: Sequence[Modifier]
     ) -> dict[str, int]:
-        """With a gradient on the bias: on the flash kernel (:func:`probe.attention.flash_key_bias`) one
-        call's masks, the model's and the compensated one, and a boolean one (``m·(2·a + 1)`` for the
-        largest call's ``m`` elements, :func:`probe.attention.key_bias_mask_elements`: ``512·n`` on a
-        full layer); else sdpa's math kernel keeps each layer's full attention and the ``[n, n]``
+        """With a gradient on the bias (kernels: :func:`probe.attention.fused_key_bias`): on the flash
+        kernel one call's masks, the model's and the compensated one, and a boolean one (``m·(2·a + 1)``
+        for the largest call's ``m`` elements, :func:`probe.attention.key_bias_mask_elements`: ``512·n``
+        on a full layer); on FlexAttention what building a block mask holds
+        (:data:`~probe.attention.flex_key_bias.BLOCK_MASK_BYTES` per pair, ``n²`` pairs a sequence);
+        else sdpa's math kernel keeps each layer's full attention and the ``[n, n]``
         later-key mask (``2·H·n²·a + n²``, every layer; one at a time checkpointed), and its backward
         the fp32 probabilities' gradient of one layer (``2·H·n²·4``)."""
         if not self.bias.requires_grad:
             return {}
-        if flash_key_bias(alongside, shapes.device, shapes.plain_logits):
+        kernel = fused_key_bias(alongside, shapes.device, shapes.plain_logits)
+        if kernel == FLEX:
+            return {"key_bias": batch * BLOCK_MASK_BYTES * seq_len**2}
+        if kernel:
             elements = max(key_bias_mask_elements(window, seq_len) for window in shapes.windows)
             return {"key_bias": batch * elements * (2 * shapes.act_bytes + 1)}
         per_layer = 2 * shapes.heads * seq_len**2 * shapes.act_bytes + seq_len**2
@@ -313,7 +320,7 @@ def bias_keys(model, bias: torch.Tensor, units: torch.Tensor | None = None) -> I
     cache. At ``bias = 0`` the model is unchanged; ``bias → −∞`` removes key j from every later
     query, so with ``bias.requires_grad`` the gradient ∂f/∂bias_j is a first-order estimate of
     removing token j everywhere, indirect paths included (see
-    :func:`probe.key_removal.key_removal_gradient`). ``units``: LongTensor[seq], the removal unit of
+    :func:`probe.probes.key_removal.key_removal_gradient`). ``units``: LongTensor[seq], the removal unit of
     each token (e.g. the source it belongs to); a query then gets no bias on the keys of its own unit,
     since removing the unit removes that query too. Works with checkpointing, sliding windows,
     captures and the other modifiers (a trace sees the biased attention).
@@ -335,6 +342,6 @@ def bias_keys(model, bias: torch.Tensor, units: torch.Tensor | None = None) -> I
 def lrp_attention(model) -> Iterator[None]:
     """Inside the block the attention's backward follows AttnLRP's uniform rule (Achtibat et al. 2024,
     eq. 7): the gradients of queries and keys are divided by 4, those of values by 2; the forward is
-    unchanged. Part of :func:`probe.lrp.lrp_rules`."""
+    unchanged. Part of :func:`probe.attention.lrp.lrp_rules`."""
     with modify(model, Relevance()):
         yield

@@ -6,20 +6,20 @@ transformers' ``AttentionInterface`` (its mask builder with the ``AttentionMaskI
 name ``"longprobe"``. A :class:`Modifier` declares what it changes and implements that hook:
 
 ============  =================================================  ==========================================
-changes       hook                                               modifiers
+changes       hook                                               modifiers (in ``probe.attention``)
 ============  =================================================  ==========================================
-``inputs``    ``inputs(query, key, value)`` → (q, k, v)           :func:`~probe.modifiers.lrp_attention`
-``scores``    ``key_bias()`` → (bias [batch or 1, kv], units):    :func:`~probe.modifiers.bias_keys`
+``inputs``    ``inputs(query, key, value)`` → (q, k, v)           ``modifiers.lrp_attention``
+``scores``    ``key_bias()`` → (bias [batch or 1, kv], units):    ``modifiers.bias_keys``
               ``b_j`` on key j's logit from every later query
               of another unit
-``mask``      ``overlay(frame)`` → a mask function, and-ed with   :func:`~probe.modifiers.attention_window`,
-              the model's own                                     :func:`~probe.modifiers.mask_keys`
-``positions`` ``table(batch, kv_end, device)`` → the original     :func:`~probe.modifiers.original_positions`
+``mask``      ``overlay(frame)`` → a mask function, and-ed with   ``modifiers.attention_window``,
+              the model's own                                     ``modifiers.mask_keys``
+``positions`` ``table(batch, kv_end, device)`` → the original     ``modifiers.original_positions``
               position of every key the mask then compares
-``outputs``   ``outputs(output, call)`` → per-head output         :func:`~probe.capture.trace`,
-              ``[batch, q, heads, dim]``, in ``stage`` order      :func:`~probe.modifiers.ablate_heads`,
-                                                                  :func:`~probe.patching.patch_heads`,
-                                                                  :func:`~probe.patching.record_heads`
+``outputs``   ``outputs(output, call)`` → per-head output         ``capture.trace``,
+              ``[batch, q, heads, dim]``, in ``stage`` order      ``modifiers.ablate_heads``,
+                                                                  ``patching.patch_heads``,
+                                                                  ``patching.record_heads``
 ============  =================================================  ==========================================
 
 The attention and mask functions apply the active modifiers outermost first (output modifiers by
@@ -30,11 +30,12 @@ planner adds. A new modifier is one subclass and one context manager calling :fu
 The layer output comes from the fused ``sdpa`` kernel, exactly as without longprobe, except where the
 model's attention is not plain softmax attention: logit soft-capping (Gemma 2: ``softcap·tanh(s /
 softcap)`` before the mask) and sink logits (gpt-oss: one learned logit per head as an extra column of
-the softmax denominator) are computed exactly, in row blocks. A key bias runs on the CPU flash
-kernel, its gradient read from one extra head dimension (:mod:`probe.flash_key_bias`); elsewhere
-(CUDA, soft-capping) it is added to the mask, on sdpa's math kernel. The exact patterns of chosen
-rows (what a trace captures) are computed in :mod:`probe.patterns`. On exit —
-also after an exception — the model's attention implementation is restored.
+the softmax denominator) are computed exactly, in row blocks. A key bias runs fused
+(:func:`fused_key_bias`): on CPU's flash kernel (:mod:`probe.attention.flash_key_bias`), on CUDA on
+compiled FlexAttention (:mod:`probe.attention.flex_key_bias`); else (other devices, soft-capping,
+sinks) it is added to the mask, on sdpa's math kernel. The exact patterns of chosen rows (what a trace
+captures) are computed in :mod:`probe.attention.patterns`. On exit — also after an exception — the
+model's attention implementation is restored.
 """
 
 from __future__ import annotations
@@ -52,19 +53,21 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, and_masks, causal_mask_function, sdpa_mask
 
+from probe.attention.flash_key_bias import Excluded, key_biased_attention, unit_runs
+from probe.attention.flex_key_bias import key_biased_flex_attention
+from probe.attention.patterns import Logits, apply_pattern, bias_rows, mask_rows, row_blocks
+from probe.attention.shared_state import shared_change
 from probe.checks import UnsupportedModelError, _bidirectional, hf_model
 from probe.errors import InvalidValueError
-from probe.flash_key_bias import Excluded, key_biased_attention, unit_runs
-from probe.patterns import Logits, apply_pattern, bias_rows, mask_rows, row_blocks
-from probe.shared_state import shared_change
 
 if TYPE_CHECKING:
-    from probe.shapes import Shapes
+    from probe.memory.shapes import Shapes
 
 IMPLEMENTATION = "longprobe"
 INPUTS, SCORES, MASK, POSITIONS, OUTPUTS = "inputs", "scores", "mask", "positions", "outputs"
 EXACT_BLOCK = 256  # query rows per block of exact softmax attention (soft-capping, sinks)
 KEY_BIAS_BLOCK = 512  # query rows per flash call of a key bias under a mask
+FLASH, FLEX = "flash", "flex"  # the fused kernels of a key bias (:func:`fused_key_bias`)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class LayerCall:
 @dataclass(frozen=True)
 class MaskFrame:
     """What a mask overlay is built for: the batch, the keys' extent (in original positions under
-    :func:`~probe.modifiers.original_positions`) and the device."""
+    :func:`~probe.attention.modifiers.original_positions`) and the device."""
 
     batch_size: int
     kv_end: int
@@ -140,8 +143,8 @@ class Modifier:
 
     def masks_every_layer(self, shapes: Shapes, alongside: Sequence[Modifier]) -> bool:
         """Whether every layer's sdpa gets a materialized mask while this modifier is active (a key
-        bias: unless it runs on the flash kernel)."""
-        biased = SCORES in self.changes and not flash_key_bias(alongside, shapes.device, shapes.plain_logits)
+        bias: unless it runs fused)."""
+        biased = SCORES in self.changes and not fused_key_bias(alongside, shapes.device, shapes.plain_logits)
         return biased or bool(self.changes & {MASK, POSITIONS})
 
     def finish(self, inner: PreTrainedModel) -> None:
@@ -281,9 +284,13 @@ def _attention(
     biases = _changing(active, SCORES)
     for modifier in _changing(active, INPUTS):
         query, key, value = modifier.inputs(query, key, value)
-    if dropout == 0 and flash_key_bias(active, query.device, logits.plain):
-        output = _key_biased_output(query, key, value, attention_mask, logits, biases[0])
-        logits = replace(logits, key_bias=biases[0].key_bias())  # the rows a trace rebuilds hold it too
+    kernel = fused_key_bias(active, query.device, logits.plain) if dropout == 0 else None
+    if kernel:
+        bias, units = biases[0].key_bias()
+        _one_pass(bias, query, key)
+        fused = _flash_key_biased_output if kernel == FLASH else key_biased_flex_attention
+        output = fused(query, key, value, attention_mask, logits, bias.to(query.device), units)
+        logits = replace(logits, key_bias=(bias, units))  # the rows a trace rebuilds hold it too
     else:
         for modifier in biases:
             attention_mask = key_biased_mask(attention_mask, query, key, window, *modifier.key_bias())
@@ -326,30 +333,29 @@ def _one_pass(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tup
     return q_len, kv_len
 
 
-def flash_key_bias(modifiers: Sequence[Modifier], device: torch.device | str, plain: bool) -> bool:
-    """Whether a key bias among ``modifiers`` runs on the CPU flash kernel (:mod:`probe.flash_key_bias`):
-    one bias, on CPU, plain softmax logits (no soft-cap, no sinks); a trace beside it rebuilds its rows
-    with the bias (:attr:`Logits.key_bias`). Otherwise the biased mask goes to sdpa's math kernel."""
+def fused_key_bias(modifiers: Sequence[Modifier], device: torch.device | str, plain: bool) -> str | None:
+    """The fused kernel of one key bias among ``modifiers`` over plain logits (no soft-cap, no sinks):
+    :data:`FLASH` on CPU, :data:`FLEX` on CUDA; else ``None``, the biased mask on sdpa's math kernel. A
+    trace beside a fused bias rebuilds its rows with the bias (:attr:`Logits.key_bias`)."""
     one = len(_changing(modifiers, SCORES)) == 1
-    return one and plain and torch.device(device).type == "cpu"
+    return {"cpu": FLASH, "cuda": FLEX}.get(torch.device(device).type) if one and plain else None
 
 
 def key_bias_mask_elements(window: int | None, seq_len: int) -> int:
     """Elements (rows × keys) of the largest mask one flash call of a key bias builds on a layer of
-    ``window`` over ``seq_len`` tokens (:func:`_key_biased_output`): one window of queries over its
+    ``window`` over ``seq_len`` tokens (:func:`_flash_key_biased_output`): one window of queries over its
     band on a sliding layer, else :data:`KEY_BIAS_BLOCK` rows over every key."""
     if runs_in_bands(window, seq_len, seq_len):
         return window * (2 * window - 1)
     return min(seq_len, KEY_BIAS_BLOCK) * seq_len
 
 
-def _key_biased_output(query, key, value, attention_mask, logits: Logits, modifier: Modifier) -> torch.Tensor:
-    """The key-biased attention [batch, q, heads, dim] on the flash kernel, in bands of one window
-    of queries on a sliding layer (as :func:`_windowed_sdpa`)."""
-    bias, units = modifier.key_bias()
-    q_len, kv_len = _one_pass(bias, query, key)
+def _flash_key_biased_output(query, key, value, attention_mask, logits: Logits, bias, units) -> torch.Tensor:
+    """The key-biased attention [batch, q, heads, dim] on the CPU flash kernel, in bands of a window of
+    queries on a sliding layer (:func:`_windowed_sdpa`); arguments: :func:`key_biased_flex_attention`'s."""
+    q_len, kv_len = query.shape[2], key.shape[2]
     device, dtype, window = query.device, query.dtype, logits.sliding_window
-    bias, runs = bias.to(device), unit_runs(units)
+    runs = unit_runs(units)
     banded = runs_in_bands(window, q_len, kv_len)
     # a mask makes the kernel visit every key block: rows in blocks over their causal keys only
     causal = attention_mask is None and (window is None or q_len <= window) and not bias.any()

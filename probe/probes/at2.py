@@ -1,7 +1,7 @@
 """AT2: source attribution with per-head weights learned from ablations.
 
 After Cohen-Wang et al. 2025, "Learning to Attribute with Attention" (AT2). One forward+backward pass
-(:func:`probe.attribution.answer_attribution`) gives, for every head (l, h) and token t, two features
+(:func:`probe.probes.attribution.answer_attribution`) gives, for every head (l, h) and token t, two features
 of the answer rows: the attention mass ``mean_r A[l, h, r, t]`` and the saliency
 ``Σ_r |A ⊙ ∂L/∂A|[l, h, r, t]``. A token's score is a weighted sum of its features over heads,
 ``Σ_{f,l,h} θ[f, l, h] · F[f, l, h, t]``, and a source's score the sum over its tokens.
@@ -28,9 +28,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probe.attribution import AnswerAttribution
 from probe.checks import hf_model
 from probe.errors import InvalidTypeError, InvalidValueError
+from probe.probes.attribution import AnswerAttribution
 from probe.results import read_json, reading, write_json
 from probe.tasks import Sample
 

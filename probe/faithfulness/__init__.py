@@ -13,7 +13,7 @@ is measured by ablation, the same masks for every detector:
 
 A removed source is gone from every layer: no query sees its tokens, and every other token keeps its
 position. A pass runs only the kept tokens at their original positions (compaction, equal to key
-masking, which models without ``position_ids`` get instead: :mod:`probe.compaction`), from the
+masking, which models without ``position_ids`` get instead: :mod:`probe.faithfulness.compaction`), from the
 reused KV cache of the unmasked prefix before its first removed token (exact; tested against
 uncached, key-masked passes). The gold answer's log-probability is the sum over its teacher-forced
 tokens, ``Σ_t log P(x_t | x_<t)``; ``correct`` says whether every answer token is the greedy choice.
@@ -33,16 +33,15 @@ import torch
 
 from probe import journal
 from probe.checks import cache_keyword, check_input_ids, check_sample_fits, hf_model
-from probe.compaction import (
+from probe.errors import InvalidValueError
+from probe.faithfulness.compaction import (
     check_before_answer,
     compacted_pass,
     compaction_supported,
     masked_pass,
     removed_positions,
 )
-from probe.errors import InvalidValueError
-from probe.journal import mask_bits
-from probe.masks import (
+from probe.faithfulness.masks import (
     KS,
     additive_ceiling,
     additive_ceiling_masks,
@@ -50,6 +49,7 @@ from probe.masks import (
     random_masks,
     top_k_masks,
 )
+from probe.journal import mask_bits
 from probe.target import CHECKED, Target, target_value, vocabulary_size
 from probe.tasks import Sample, Source
 

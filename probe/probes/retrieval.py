@@ -23,11 +23,11 @@ import torch
 from tqdm.auto import tqdm
 
 from probe import views
-from probe.capture import trace
+from probe.attention.capture import trace
+from probe.attention.shared_state import frozen_parameters
 from probe.checks import cache_keyword, check_input_ids, check_tokenizer, hf_model, n_layers
 from probe.errors import InvalidTypeError, InvalidValueError
 from probe.results import read_json, reading, write_json
-from probe.shared_state import frozen_parameters
 from probe.tasks import Sample, check_sample
 
 THRESHOLD = 0.1  # Wu et al.: a head that copies at least 10% of the needle is a retrieval head
@@ -211,7 +211,7 @@ def decode_with_argmax(
     query is the position whose logits produce token s (the last prompt token for s = 0), and
     ``argmax[s, l, h]`` is the absolute position it attends most in layer l, head h. The prompt
     minus its last token is prefilled once with the fused attention; each step then runs one
-    token through :func:`probe.capture.trace` capturing that single row. Under a sliding-window
+    token through :func:`probe.attention.capture.trace` capturing that single row. Under a sliding-window
     cache a layer sees only the last keys; positions are mapped back to the whole sequence.
     """
     inner = hf_model(model)

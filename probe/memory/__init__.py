@@ -1,9 +1,9 @@
-"""Free memory and glibc's heap: what the planner (:mod:`probe.planner`) checks a plan against.
+"""Free memory and glibc's heap: what the planner (:mod:`probe.memory.planner`) checks a plan against.
 
 :func:`available_memory` reads the bytes a probe can still allocate on a device; :func:`compact_heap`
 (opt-in) pins glibc's mmap threshold so freed tensors leave the process at once. :func:`_heap_slack`
 says whether the planner's ``allocator`` term applies (the term's model and measurements are in
-:mod:`probe.planner`'s docstring).
+:mod:`probe.memory.planner`'s docstring).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-# glibc heap slack (see probe.planner's docstring): measured once at 512 – 2K tokens, both models.
+# glibc heap slack (see probe.memory.planner's docstring): measured once at 512 – 2K tokens, both models.
 PLAIN_HEAP_SLACK = 0.36  # × activations of a plain gradient pass
 CHECKPOINT_HEAP_HOLES = 4  # hidden-state tensors per checkpointed layer
 MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc (64-bit): blocks this large are always mmapped, freed at once

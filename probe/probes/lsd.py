@@ -10,12 +10,12 @@ For the token x_t at position t of a sequence (t = 0 … n−1, predicted from x
   model picks the key tokens (eq. 4); LongPPL-soft weights every token by I_soft instead
 - I_soft = min(exp(LSD), γ)                                     (eq. 7; γ = 5)
 
-The two log-probabilities come from :mod:`probe.logprobs` (its docstring describes the sliding
+The two log-probabilities come from :mod:`probe.probes.logprobs` (its docstring describes the sliding
 short-context windows of App. A.1, eq. 8, and ``official=True``). When the evaluator is not the
 evaluated model (App. A.1, eqs. 9–10), key tokens and weights travel between the tokenizations
-through the characters of the text (:mod:`probe.alignment`). A :class:`LongPPLResult` keeps the
+through the characters of the text (:mod:`probe.probes.alignment`). A :class:`LongPPLResult` keeps the
 per-token sums behind its scores, so :func:`pool_longppl` pools documents per token, as a
-corpus-level LongPPL is defined. LongCE (eqs. 6–7) is in :mod:`probe.objectives`.
+corpus-level LongPPL is defined. LongCE (eqs. 6–7) is in :mod:`probe.training.objectives`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import pandas as pd
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from probe import alignment, logprobs
 from probe.checks import hf_model
 from probe.errors import InvalidTypeError, InvalidValueError
+from probe.probes import alignment, logprobs
 from probe.results import read_json, reading, write_json
 
 __all__ = [
@@ -328,7 +328,7 @@ def longppl(
 
     ``key_tokens`` from :func:`find_key_tokens` skips the evaluator. When both models tokenize the
     text identically the key tokens carry over one to one; otherwise through characters
-    (:func:`probe.alignment.transfer_to_tokens`, App. A.1 eqs. 9–10). When the evaluator is the
+    (:func:`probe.probes.alignment.transfer_to_tokens`, App. A.1 eqs. 9–10). When the evaluator is the
     model itself its long pass is reused. ``official=True`` also tokenizes for the evaluated model
     without special tokens, matches by raw containment and counts ``n_tokens`` as the official
     package does. The result's settings are the key tokens' settings, this call's ``official`` and

@@ -15,9 +15,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from probe.attention.modifiers import mask_keys, original_positions
 from probe.checks import cache_keyword, hf_model
 from probe.errors import InvalidValueError
-from probe.modifiers import mask_keys, original_positions
 from probe.tasks import Source
 
 
@@ -36,7 +36,7 @@ def check_before_answer(hidden: torch.Tensor, first_row: int) -> None:
 def compacted(model, positions: torch.Tensor, past_length: int = 0) -> Iterator[dict[str, torch.Tensor]]:
     """A forward over only the tokens at ``positions`` (LongTensor[batch, n], original positions,
     increasing), after a reused cache of the first ``past_length`` tokens: inside the block every
-    mask is measured in original positions (:func:`probe.modifiers.original_positions`), and it
+    mask is measured in original positions (:func:`probe.attention.modifiers.original_positions`), and it
     yields the forward's ``position_ids`` and ``attention_mask`` (ones: transformers would read the
     gaps as packed sequences). ``model(input_ids=ids[:, positions[0]], **inputs)`` then equals a
     forward over the whole sequence with the other tokens key-masked."""
@@ -59,7 +59,7 @@ def removed_positions(sources: Sequence[Source], removed: torch.Tensor) -> torch
 
 def compaction_supported(model) -> bool:
     """Whether ``model`` takes ``position_ids``, so that a pass over the kept tokens at their original
-    positions (:func:`probe.modifiers.original_positions`) is exact; models that derive positions
+    positions (:func:`probe.attention.modifiers.original_positions`) is exact; models that derive positions
     otherwise (ALiBi and the like) are ablated by key masking."""
     return "position_ids" in inspect.signature(hf_model(model).forward).parameters
 

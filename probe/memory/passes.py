@@ -1,6 +1,6 @@
 """What one probe call keeps in memory: each probe declares its pass (:class:`ProbePass`) and the pass
 its memory terms (:meth:`ProbePass.memory`), as each modifier declares its own
-(:meth:`probe.attention.Modifier.memory`); :func:`probe.planner.plan` sums the declarations.
+(:meth:`probe.attention.Modifier.memory`); :func:`probe.memory.planner.plan` sums the declarations.
 
 Notation (all per sequence; multiply by ``batch``): ``n`` tokens, ``L`` decoder layers, ``d`` hidden,
 ``m`` intermediate, ``H`` query heads, ``K`` KV heads, ``h`` head dim, ``V`` vocab, ``R`` target rows,
@@ -25,7 +25,7 @@ Under longprobe's attention function (a trace or a modifier is active) a sliding
 ``n > 2·window`` runs in bands of one window of queries (:func:`probe.attention.runs_in_bands`): no
 float mask of ``n²``, but each band's mask and sdpa output, ``a(2·window + Hh)`` bytes per token.
 That is the attention of sdpa. Two other paths keep every row's probabilities instead
-(:meth:`~probe.shapes.Shapes.attention_saved`, checked with the same hooks on Gemma 2 and gpt-oss):
+(:meth:`~probe.memory.shapes.Shapes.attention_saved`, checked with the same hooks on Gemma 2 and gpt-oss):
 longprobe's exact softmax, which serves soft-capped (Gemma 2) and sink (gpt-oss) logits under a trace
 or modifier, ``4(Hh + 2Kh) + 4H·n`` (twice the probabilities' ``4H·n`` when soft-capped, since the
 tanh output is kept too), and the model's own eager attention in a plain pass (transformers' only path
@@ -34,14 +34,14 @@ with ``K' = H`` when ``K < H``; their scores run as two score-sized transients i
 ``layer_workspace`` (row blocks of 256 for the exact path), and eager masks are float
 (``(1 + a)·n²`` per kind). Mixture-of-experts MLPs are counted as one dense MLP of the expert size: an
 underestimate for those models.
-For :func:`~probe.attribution.information_flow` nothing before the first captured layer needs a
+For :func:`~probe.probes.attribution.information_flow` nothing before the first captured layer needs a
 gradient; that layer saves only ``(N−1)·4(d+1) + a·g·m`` (the part after its attention output)
 and the layers before it nothing.
 
 **Terms** (bytes; the peak is the largest of a few phases, each a sum of terms):
 
 - ``activations``: plain: ``n·Σ S_l`` over the layers that need a gradient. Checkpointed
-  (:func:`probe.checkpointing.checkpointed`): the layer inputs ``L_g·n·d·a`` plus one layer's
+  (:func:`probe.memory.checkpointing.checkpointed`): the layer inputs ``L_g·n·d·a`` plus one layer's
   recomputed saved set ``n·max S_l`` (and its float mask).
 - ``layer_workspace``: transient tensors of the one layer being run. Forward (no grad, or a
   checkpointed forward): ``n·a(3m + 3d)`` (act, up and their product, the residual, the normed
@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 from probe.attention import EXACT_BLOCK, runs_in_bands
 from probe.memory import CHECKPOINT_HEAP_HOLES, MMAP_THRESHOLD_MAX, PLAIN_HEAP_SLACK, _heap_slack
-from probe.shapes import Shapes
+from probe.memory.shapes import Shapes
 
 TERMS = (
     "activations",
@@ -225,7 +225,7 @@ class ProbePass:
         return found
 
 
-#: every probe the planner knows, by the name its functions pass to :func:`probe.planner.guarded`
+#: every probe the planner knows, by the name its functions pass to :func:`probe.memory.planner.guarded`
 PROBE_PASSES = {
     "information_flow": ProbePass(backward=True, traced=True),
     "answer_attribution": ProbePass(backward=True, traced=True, embeddings=True),

@@ -1,6 +1,6 @@
 """Attention with a per-key logit bias whose gradient comes out of the fused CPU flash kernel.
 
-:func:`probe.modifiers.bias_keys` adds ``b_j`` to the logit of key j from every later query of
+:func:`probe.attention.modifiers.bias_keys` adds ``b_j`` to the logit of key j from every later query of
 another removal unit. Through the attention mask that needs sdpa's math kernel, which keeps each
 layer's whole ``[heads, seq, seq]`` pattern and its gradient. :func:`key_biased_attention` carries
 the bias in one extra head dimension instead: ``q'_i = [q_i, 1]``, ``k'_j = [k_j, b_j / scale]``, so

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import probe
-from probe import denoise
-from probe.attribution import critical_tokens
+from probe.probes import noise_restraint
+from probe.probes.attribution import critical_tokens
 from probe.tasks import Sample
 
 ATOL = 1e-5
@@ -75,7 +75,7 @@ def eager_reference(model, sample, lrs, beta, move):
 @pytest.mark.parametrize("move", ["noise", "non_supporting"])
 def test_matches_eager_reference(tiny, move):
     lrs = [0.0, 0.3, 2.0]
-    table = denoise.noise_restraint(tiny, hand_sample(), lrs, beta=5.0, move=move)
+    table = noise_restraint.noise_restraint(tiny, hand_sample(), lrs, beta=5.0, move=move)
     assert len(table) == len(lrs) * tiny.config.num_hidden_layers * (len(SPANS) + 1)
     for lr, (before, after, loss_before, loss_after) in zip(
         lrs, eager_reference(tiny, hand_sample(), lrs, 5.0, MOVED[move]), strict=True
@@ -93,7 +93,7 @@ def test_matches_eager_reference(tiny, move):
 
 
 def test_masses_count_tokens_and_sum_to_one(tiny):
-    table = denoise.noise_restraint(tiny, hand_sample(), 0.5, move="noise")
+    table = noise_restraint.noise_restraint(tiny, hand_sample(), 0.5, move="noise")
     first_layer = table[table.layer == 0].set_index("category")
     assert first_layer.tokens.to_dict() == {
         "supporting": 3, "interference": 3, "noise": 21, "low_frequency": 1, "question": 4, "answer": 3,
@@ -108,7 +108,7 @@ def test_masses_count_tokens_and_sum_to_one(tiny):
 
 
 def test_zero_step_leaves_attention_and_loss_unchanged(tiny):
-    table = denoise.noise_restraint(tiny, hand_sample(), 0.0)
+    table = noise_restraint.noise_restraint(tiny, hand_sample(), 0.0)
     assert (table.after == table.before).all() and (table.loss_after == table.loss_before).all()
     seen = table.before > 0  # sliding-window layers may not see a category at all
     assert (table.ratio[seen] == 1.0).all() and table.ratio[~seen].isna().all()
@@ -116,7 +116,7 @@ def test_zero_step_leaves_attention_and_loss_unchanged(tiny):
 
 
 def test_small_step_against_the_gradient_lowers_the_loss(tiny):
-    table = denoise.noise_restraint(tiny, hand_sample(), [1e-3, -1e-3], move="non_supporting")
+    table = noise_restraint.noise_restraint(tiny, hand_sample(), [1e-3, -1e-3], move="non_supporting")
     down, up = table.groupby("lr").loss_after.first().loc[[1e-3, -1e-3]]
     assert down < table.loss_before.iloc[0] < up
 
@@ -133,9 +133,10 @@ def test_only_the_chosen_tokens_move(tiny, move, monkeypatch):
         expected[[3, 11, 20, 37] if move == "mask" else MOVED[move]] = True
     assert 0 < expected.sum() < 36
     seen = []
-    original = denoise.answer_attention
-    monkeypatch.setattr(denoise, "answer_attention", lambda *a: seen.append(a[-1]) or original(*a))
-    table = denoise.noise_restraint(tiny, sample, 1.0, move=expected.clone() if move == "mask" else move)
+    original = noise_restraint.answer_attention
+    monkeypatch.setattr(noise_restraint, "answer_attention", lambda *a: seen.append(a[-1]) or original(*a))
+    moved = expected.clone() if move == "mask" else move
+    table = noise_restraint.noise_restraint(tiny, sample, 1.0, move=moved)
     before, after = seen
     assert torch.equal((after != before).any(dim=-1), expected)
     assert torch.equal(before, tiny.get_input_embeddings()(sample.input_ids))
@@ -153,7 +154,7 @@ def test_only_the_chosen_tokens_move(tiny, move, monkeypatch):
 )
 def test_bad_moves_are_refused(tiny, move, error):
     with pytest.raises(ValueError, match=error):
-        denoise.noise_restraint(tiny, hand_sample(), 1.0, move=move)
+        noise_restraint.noise_restraint(tiny, hand_sample(), 1.0, move=move)
 
 
 def model_state(model):
@@ -188,11 +189,11 @@ def test_model_is_left_unmodified(tiny, fail_on_forward):
     handle = tiny.model.layers[-1].register_forward_pre_hook(hook)
     try:
         if fail_on_forward is None:
-            denoise.noise_restraint(tiny, hand_sample(), [0.5, 1.0])
+            noise_restraint.noise_restraint(tiny, hand_sample(), [0.5, 1.0])
             assert len(calls) == 4  # gradient, before, two steps
         else:
             with pytest.raises(RuntimeError, match="injected"):
-                denoise.noise_restraint(tiny, hand_sample(), [0.5, 1.0])
+                noise_restraint.noise_restraint(tiny, hand_sample(), [0.5, 1.0])
     finally:
         handle.remove()
     assert_same_state(tiny, state)

@@ -9,8 +9,8 @@ and raises :class:`InsufficientMemoryError` (a :class:`MemoryError`) with the nu
 anything is allocated;
 :func:`guard` resolves ``checkpoint="auto"`` and checks in one call (what a probe calls first).
 
-The terms and their formulas, and what each probe's pass keeps (:class:`~probe.passes.ProbePass`),
-are in :mod:`probe.passes`. Probes: ``"information_flow"``,
+The terms and their formulas, and what each probe's pass keeps (:class:`~probe.memory.passes.ProbePass`),
+are in :mod:`probe.memory.passes`. Probes: ``"information_flow"``,
 ``"answer_attribution"`` (information flow + embedding gradients from one pass), ``"embedding_grads"``
 (= ``"embedding_grad_norms"``), ``"attention_rows"`` (no backward) and ``"forward"`` (a no-grad
 forward projecting ``rows`` rows to the vocabulary). Validated against peak RSS in
@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from transformers import PretrainedConfig
 
 from probe.attention import Modifier, active_modifiers
-from probe.checkpointing import checkpointed
 from probe.checks import check_int, input_device
 from probe.errors import InsufficientMemoryError, InvalidValueError, OutOfRangeError
 from probe.memory import available_memory, compact_heap
-from probe.passes import PROBE_PASSES, ProbePass
-from probe.shapes import Shapes
+from probe.memory.checkpointing import checkpointed
+from probe.memory.passes import PROBE_PASSES, ProbePass
+from probe.memory.shapes import Shapes
 
 __all__ = [
     "PROBE_PASSES",
@@ -114,7 +114,7 @@ class Plan:
             advice = "fewer layers or target rows, a smaller batch, or a shorter input"
         raise InsufficientMemoryError(
             f"{self.probe} on {self.seq_len} tokens needs ≈ {_gib(self.total)}, {_gib(available)} free: "
-            f"{advice} ({detail}; see probe.planner.plan(...))",
+            f"{advice} ({detail}; see probe.memory.planner.plan(...))",
             self,
             available,
         )
@@ -135,11 +135,12 @@ def plan(
     Args:
         model: a loaded Hugging Face causal LM, or its config (then dtype from the config, CPU).
         seq_len: tokens per sequence (the padded length for a batch).
-        probe: one of :data:`~probe.passes.PROBE_PASSES` (its pass's declaration).
+        probe: one of :data:`~probe.memory.passes.PROBE_PASSES` (its pass's declaration).
         rows: target rows (the loss's target tokens; the captured query rows; for ``"forward"``
             the rows projected to the vocabulary).
         batch: sequences per call; ``> 1`` is assumed padded (every layer then gets a mask).
-        checkpoint: decoder layers recomputed in the backward (:func:`probe.checkpointing.checkpointed`).
+        checkpoint: decoder layers recomputed in the backward
+        (:func:`probe.memory.checkpointing.checkpointed`).
         layers: captured layers (``None`` = all; negative indices allowed).
         modifiers: the attention modifiers active during the call (:mod:`probe.attention`): one that
             changes scores, masks or positions gives every layer a mask, and each adds its own terms
@@ -258,7 +259,7 @@ def guarded(
     layers: Sequence[int] | None = None,
 ) -> Iterator[bool]:
     """The block a probe runs its pass in: :func:`guard` (with the modifiers active here, each
-    asked for its memory), then :func:`probe.checkpointing.checkpointed` if the resolved flag is
+    asked for its memory), then :func:`probe.memory.checkpointing.checkpointed` if the resolved flag is
     set. Yields the flag.
 
     Raises :class:`InsufficientMemoryError` with the plan's numbers before anything is allocated when the

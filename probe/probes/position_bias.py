@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from probe.attribution import attention_matrices
+from probe.attention.shared_state import frozen_parameters
 from probe.checks import UnsupportedModelError, check_input_ids, check_layers, hf_model, n_layers
 from probe.errors import InvalidValueError
-from probe.shared_state import frozen_parameters
+from probe.probes.attribution import attention_matrices
 
 Mix = float | str | None
 
