@@ -79,7 +79,7 @@ from probe.errors import InvalidValueError
 from probe.journal import Journal
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load
-from .comparison import DEFAULT_DETECTORS, EXPLAINED, LOO_RANKER, compare_samples, explained
+from .comparison import DEFAULT_DETECTORS, EXPLAINED, LOO_RANKER, compare_samples, explained, forward_seconds
 from .detector_figures import write_outputs
 from .study_files import finished_study, length_of, options_of, rejudged, saved_passes
 from .sweep import part_name, sweep
@@ -176,6 +176,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "batches of 4 sped up leave-one-out's passes 1.2x but slowed the whole faithfulness evaluation, "
         "see bench/README.md; on a GPU use 8-16)",
     )
+    parser.add_argument(
+        "--time-forward", action="store_const", const=True, default=None,
+        help="time one plain forward pass of each sample (best of two) into its rows' forward_seconds: "
+        "the unit of a detector's cost in forward-pass equivalents, seconds / forward_seconds",
+    )  # fmt: skip
     add_device_arguments(parser)
     parser.add_argument(
         "--out",
@@ -282,6 +287,7 @@ def study_folder(args: argparse.Namespace) -> Path:
         "dtype",
         "loo_rank_by",
         "explain",
+        "time_forward",
     ):  # at its default, the folder keeps the name it had before
         if chosen[later] is None:
             del chosen[later]
@@ -402,7 +408,11 @@ def run_study(
                 saved=saved,
             )
         layers = pd.concat(layers, ignore_index=True) if layers else pd.DataFrame()
-        tables = {"metrics": pd.DataFrame(rows), "layers": layers, "faithfulness": faithful}
+        rows = pd.DataFrame(rows)
+        if args.time_forward:
+            units = {(one.task, one.seed): forward_seconds(model, one) for one in chunk}
+            rows["forward_seconds"] = [units[key] for key in zip(rows.task, rows.seed, strict=True)]
+        tables = {"metrics": rows, "layers": layers, "faithfulness": faithful}
         return tables | ({"ablations": pd.concat(ablations, ignore_index=True)} if ablations else {})
 
     settings = {key: value for key, value in vars(args).items() if key not in NOT_SETTINGS}

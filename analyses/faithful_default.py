@@ -36,7 +36,7 @@ from probe import detectors, faithfulness, load_model, stats, tasks
 from probe.atomic import atomic_write
 from probe.detectors.ablation import pruned_estimate, pruned_sources
 
-from .comparison import explained
+from .comparison import explained, forward_seconds
 
 TASKS = ("multihop-4", "kv", "document-2", "key-token", "hotpotqa")
 SHARED = ("key_removal_grad", "information_flow", "attention")
@@ -51,17 +51,6 @@ RANKER_SETS = (
 )
 BUDGETS = (1, 2, 3, 4)
 MASKS = 32
-
-
-def forward_seconds(model, sample: tasks.Sample) -> float:
-    """Seconds of one plain forward pass over the sample (the unit of cost), best of two."""
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model(sample.input_ids[None], use_cache=False, logits_to_keep=1)
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def measure(model, tokenizer, task: str, seed: int, length: int | None) -> tuple[dict, dict]:

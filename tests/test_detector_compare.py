@@ -347,3 +347,24 @@ def test_the_held_out_settings_run_end_to_end_with_the_ceiling(tiny_model_folder
         assert len(rows) >= 8 + 24 and rows.removed.str.len().eq(judged.n_sources.iloc[0]).all()
         full = rows[~rows.removed.str.contains("1")]
         assert full.logprob.item() == pytest.approx(judged.full_logprob.iloc[0], abs=1e-6)
+
+
+def test_time_forward_gives_every_row_the_unit_of_cost_and_keeps_the_folders_of_earlier_studies(
+    tiny_model_folder, tmp_path
+):
+    """``--time-forward``: each sample's rows carry one plain forward pass's seconds, the same for every
+    detector of the sample; without it there is no such column, and a study folder named before the
+    option existed keeps its name (the option at its default is not part of the settings' hash)."""
+    argv = ["--model", str(tiny_model_folder), "--length", "192", "--samples", "2", "--masks", "4"]
+    argv += ["--tasks", "multihop-1", "--detectors", "attention", "recency"]
+    timed = detector_compare.main([*argv, "--time-forward", "--out", str(tmp_path / "timed")])
+    assert (timed.forward_seconds > 0).all()
+    assert (timed.groupby("seed").forward_seconds.nunique() == 1).all()
+    plain = detector_compare.main([*argv, "--out", str(tmp_path / "plain")])
+    assert "forward_seconds" not in plain
+    hotpotqa_study = "--tasks hotpotqa --length natural --samples 32 --seed 0 --loo-top-m all --ks 1 2 4 8 "
+    hotpotqa_study += "--masks 32 --detectors attention fr embedding_grad information_flow grad_times_input "
+    hotpotqa_study += "key_removal_grad key_removal_banzhaf at2 attn_lrp integrated_gradients lsd random "
+    hotpotqa_study += "recency lexical_overlap leave_one_out context_cite"
+    folder = detector_compare.study_folder(detector_compare.parse_args(hotpotqa_study.split()))
+    assert folder.name == "detector_smollm2-135m-natural_65515704"  # figures/studies/, begun 2026-12-06

@@ -61,6 +61,7 @@ from probe.errors import InvalidValueError  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
 
 from ..claims import update_results  # noqa: E402
+from ..comparison import forward_seconds  # noqa: E402
 from ..study_files import saved_passes  # noqa: E402
 from . import exchange, peer_io  # noqa: E402
 from .export_samples import heldout_samples  # noqa: E402
@@ -147,17 +148,6 @@ def agreement(methods: dict, peers: list[str], ours: list[str]) -> pd.DataFrame:
             rho = spearmanr(theirs[key][0].numpy(), mine[key][0].numpy()).statistic
             rows.append({"sample": key, "scorer": label(spec), "spearman_vs_ours": rho})
     return pd.DataFrame(rows, columns=["sample", "scorer", "spearman_vs_ours"])
-
-
-def forward_seconds(model, sample) -> float:
-    """CPU seconds of one plain forward pass over ``sample`` (the unit of cost), best of two."""
-    times = []
-    with torch.no_grad():
-        for _ in range(2):
-            start = time.process_time()
-            model(input_ids=sample.input_ids[None], use_cache=False)
-            times.append(time.process_time() - start)
-    return min(times)
 
 
 def summary(table: pd.DataFrame, best: str = BEST) -> pd.DataFrame:
@@ -354,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     for sample in reversed(samples) if args.judge_backwards else samples:
         key = exchange.sample_key(sample)
         known = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
-        unit = functools.partial(forward_seconds, model, sample)
+        unit = functools.partial(forward_seconds, model, sample, time.process_time, logits_to_keep=0)
         judged[key] = exchange.judge_part(
             out / "judged" / f"{key}.csv", model, sample, methods, unit, args.ceiling_masks,
             n_masks=args.masks, seed=args.seed, ks=KS, known=known,
