@@ -20,6 +20,16 @@ from .sweep import process_device
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def length_setting(text: str) -> int | None:
+    """``--length``: a number of tokens, or ``natural`` (None: a real question's own length)."""
+    if text == "natural":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of tokens or 'natural', got {text!r}") from None
+
+
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--device`` and ``--dtype`` to ``parser``."""
     parser.add_argument(

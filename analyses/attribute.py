@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         if args.detector != "leave_one_out":
             scores["leave_one_out"] = probe.detect("leave_one_out", model, tokenizer, sample).source_scores()
         scores["random_sources"] = torch.tensor(np.random.default_rng(0).random(len(sample.sources)))
-        faithful = faithfulness.evaluate(model, sample, scores, n_masks=args.masks, seed=1)
+        faithful = faithfulness.evaluate(
+            model, sample, scores, faithfulness.Judgement(n_masks=args.masks, seed=1)
+        )
         atomic_write(args.out / "faithfulness.csv", lambda tmp: faithful.to_csv(tmp, index=False))
         columns = ["scorer", "aopc_comprehensiveness", "aopc_sufficiency", "lds"]
         print(f"\nfaithfulness:\n{faithful[columns].round(3).to_string(index=False)}")

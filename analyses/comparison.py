@@ -88,12 +88,9 @@ def compare_samples(
     answers: Sequence[dict],
     options: dict[str, dict] | None = None,
     source_reduce: str = "mean",
-    n_masks: int = 32,
-    seed: int = 0,
-    batch_size: int = 1,
+    judgement: faithfulness.Judgement = faithfulness.Judgement(),
+    how: faithfulness.Passes = faithfulness.Passes(),
     pages: Path | None = None,
-    ks: Sequence[int] = faithfulness.KS,
-    ceiling_masks: int = 0,
     ablations: list[pd.DataFrame] | None = None,
     saved: pd.DataFrame | None = None,
 ) -> tuple[list[dict], list[pd.DataFrame], pd.DataFrame]:
@@ -103,9 +100,10 @@ def compare_samples(
     and ``answers`` each one's greedy answer (:func:`explained`), written into its rows.
 
     ``options[name]`` go to detector ``name``; the attention family of all ``samples`` comes from one
-    batched pass (:func:`probe.detectors.detect_many`); faithfulness as :func:`judge_faithfulness`,
-    ``batch_size`` masked passes at a time, with the ``additive_ceiling`` reference fit on
-    ``ceiling_masks`` masks when that is positive. Each row carries the detector's cost on its sample:
+    batched pass (:func:`probe.detectors.detect_many`); faithfulness as :func:`judge_faithfulness` judges
+    it (``judgement``: what it measures, the ``additive_ceiling`` reference included when
+    ``judgement.ceiling_masks`` is positive; ``how``: how its masked passes run, e.g. ``how.batch_size``
+    a forward). Each row carries the detector's cost on its sample:
     ``seconds`` (the shared pass's time for the detectors read off it) and ``passes`` (forward or
     forward+backward passes: 1 for a one-pass detector, 0 for a model-free one, the ablation
     detectors' own count). ``pages``: write each detector's token view of the first sample there
@@ -140,9 +138,7 @@ def compare_samples(
                 )
         passes = [] if ablations is not None else None
         read = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
-        judged = judge_faithfulness(
-            model, sample, found, source_reduce, n_masks, seed, batch_size, ks, ceiling_masks, passes, read
-        )
+        judged = judge_faithfulness(model, sample, found, source_reduce, judgement, how, passes, read)
         if passes:
             frames = [one.to_frame(sample) for one in passes]
             ablations.append(pd.concat(frames, ignore_index=True).assign(task=sample.task, seed=sample.seed))
@@ -203,16 +199,14 @@ def judge_faithfulness(
     sample: tasks.Sample,
     found: dict[str, detectors.Detection],
     source_reduce: str = "mean",
-    n_masks: int = 32,
-    seed: int = 0,
-    batch_size: int = 1,
-    ks: Sequence[int] = faithfulness.KS,
-    ceiling_masks: int = 0,
+    judgement: faithfulness.Judgement = faithfulness.Judgement(),
+    how: faithfulness.Passes = faithfulness.Passes(),
     record: list[faithfulness.Ablations] | None = None,
     saved: Sequence[faithfulness.Ablations] = (),
 ) -> pd.DataFrame:
-    """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample, one row per scorer:
-    ``kind`` (detector / reference), ``source_reduce``, ``n_masks`` (random masks seeded by ``seed``),
+    """:func:`probe.faithfulness.evaluate` of :func:`source_scorers` on one sample (``judgement``: what it
+    measures, ``how``: how its passes run), one row per scorer: ``kind`` (detector / reference),
+    ``source_reduce``, ``n_masks`` (``judgement.n_masks``, random masks seeded by ``judgement.seed``),
     ``ablation`` (compaction or key masking). The masks an ablation detector already ran for the same
     target (the default) are not run again, nor those of ``saved`` (passes run before on this sample).
     ``record``: a list that every pass of the judgement is appended to, the ablation detectors' and those
@@ -221,16 +215,17 @@ def judge_faithfulness(
     known = [
         ablations
         for detection in found.values()
-        if "target" not in detection.settings and (ablations := faithfulness.Ablations.of(detection))
+        if how.target is None  # a detection's passes explain the default target
+        and "target" not in detection.settings
+        and (ablations := faithfulness.Ablations.of(detection))
     ]
     if record is not None:
         record.extend(known)
-    faithful = faithfulness.evaluate(
-        model, sample, scorers, ks=ks, n_masks=n_masks, seed=seed, batch_size=batch_size,
-        known=[*known, *saved], ceiling_masks=ceiling_masks, record=record,
-    )  # fmt: skip
+    faithful = faithfulness.evaluate(model, sample, scorers, judgement, how, [*known, *saved], record)
     faithful.insert(1, "kind", np.where(faithful.scorer.isin(REFERENCES), "reference", "detector"))
-    return faithful.assign(source_reduce=source_reduce, n_masks=n_masks, ablation=faithful.attrs["ablation"])
+    return faithful.assign(
+        source_reduce=source_reduce, n_masks=judgement.n_masks, ablation=faithful.attrs["ablation"]
+    )
 
 
 def _diagnostics(detection: detectors.Detection) -> dict:

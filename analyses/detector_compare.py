@@ -78,7 +78,7 @@ from probe.checks import model_context
 from probe.errors import InvalidValueError
 from probe.journal import Journal
 
-from .arguments import add_device_arguments, check_device_arguments, check_out, load
+from .arguments import add_device_arguments, check_device_arguments, check_out, length_setting, load
 from .comparison import DEFAULT_DETECTORS, EXPLAINED, LOO_RANKER, compare_samples, explained, forward_seconds
 from .detector_figures import write_outputs
 from .study_files import finished_study, length_of, options_of, rejudged, saved_passes
@@ -99,172 +99,145 @@ def top_m(value: str) -> int | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (the module docstring), refused (``parser.error``) before any model loads where a
+    setting is wrong (:func:`refusal`), a folder in ``--out`` cannot be written or ``--device`` is absent."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2-135m", help="model name or local HF folder")
-    parser.add_argument("--tasks", nargs="+", default=["multihop-1", "multihop-2"], choices=tasks.names())
-    parser.add_argument(
-        "--task-options", nargs="*", type=task_option, default=[], metavar="KEY=NUMBER",
-        help="options of the tasks that take them, e.g. alpha=1.5 (key-token's LSD threshold)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--length", type=length_setting, default=1024,
-        help="prompt length in tokens, or 'natural' (a real question's own length: tasks with one only)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--explain", choices=EXPLAINED, default=None,
-        help="the answer the detectors explain, teacher-forced: the gold one or the model's own greedy "
-        "answer (its correctness in every row); default: own for real questions (hotpotqa), gold elsewhere",
-    )  # fmt: skip
-    parser.add_argument("--samples", type=int, default=SAMPLES, help=f"samples per task (default {SAMPLES})")
-    parser.add_argument(
-        "--detectors",
-        nargs="+",
-        default=None,
-        choices=detectors.names(),
-        help=f"default: {' '.join(DEFAULT_DETECTORS)}",
-    )
-    parser.add_argument(
-        "--ks",
-        type=int,
-        nargs="+",
-        default=[1, 4],
-        help="numbers of top sources removed / kept (comprehensiveness, sufficiency; default 1 4)",
-    )
-    parser.add_argument("--top-k", type=int, default=30, help="k of the top-k sets (CDT uses 30)")
-    parser.add_argument(
-        "--lsd-k", type=int, default=None, help="short context K of lsd (default: length / 4)"
-    )
-    parser.add_argument(
-        "--source-reduce",
-        default="mean",
-        choices=faithfulness.REDUCTIONS,
-        help="token scores -> one score per source (default mean: a sum favours long sentences)",
-    )
-    parser.add_argument("--masks", type=int, default=16, help="random source masks per sample for LDS")
-    parser.add_argument(
-        "--ceiling-masks", type=int, default=0,
-        help="fit the additive_ceiling reference on this many further random masks a sample (0: none; "
-        "the held-out study uses 256)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--loo-top-m",
-        type=top_m,
-        default=8,
-        help=f"leave_one_out exact on the M sources {LOO_RANKER} ranks highest, the rest its scaled "
-        "estimate (default 8; 'all': exhaustive, one pass per source)",
-    )
-    parser.add_argument(
-        "--loo-rank-by", nargs="+", default=None, choices=detectors.names(), metavar="DETECTOR",
-        help="the detectors whose top --loo-top-m sources a pruned leave_one_out removes one by one "
-        f"(their union; the first scales onto the rest; default {LOO_RANKER})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="greedy answer's length for the correct / wrong split (default: the gold answer's tokens + 4, "
-        "so that a long answer such as a kv UUID is never cut)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="first sample's seed; seed of the LDS masks")
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=1,
-        help="samples per detector pass and masked passes per forward (default 1 on this 2-core CPU: "
-        "batches of 4 sped up leave-one-out's passes 1.2x but slowed the whole faithfulness evaluation, "
-        "see bench/README.md; on a GPU use 8-16)",
-    )
-    parser.add_argument(
-        "--time-forward", action="store_const", const=True, default=None,
-        help="time one plain forward pass of each sample (best of two) into its rows' forward_seconds: "
-        "the unit of a detector's cost in forward-pass equivalents, seconds / forward_seconds",
-    )  # fmt: skip
-    add_device_arguments(parser)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="default: figures/ for the default settings (what the README and RESULTS.md show), else "
-        "figures/studies/detector_{model}-{length}_{settings hash}/",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="keep the batches a killed run finished and the detections and masked passes of the one it "
-        "was in (in OUT/.detector_*_parts)",
-    )
-    parser.add_argument(
-        "--known",
-        type=Path,
-        default=None,
-        help="a study folder (or its *_ablations.csv.gz) run with the same --model, --length and --dtype: "
-        "every masked pass it saved of these samples is read, not run again (the same numbers, fewer "
-        "passes; e.g. the pruned leave-one-out reference beside an exhaustive run)",
-    )
-    parser.add_argument(
-        "--rejudge",
-        action="store_true",
-        help="a finished study (in OUT, given with the settings it ran with): each sample's greedy answer "
-        "again under --max-new-tokens (generated, correct / wrong) and every table and figure redrawn; "
-        "no detector runs again",
-    )
+    add_sample_arguments(parser)
+    add_judgement_arguments(parser)
+    add_run_arguments(parser)
+    add_device_arguments(parser)  # --device, --dtype
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error("--batch-size must be at least 1")
-    if args.samples < 1:
-        parser.error("--samples must be at least 1")
-    if args.masks < 2:
-        parser.error("--masks must be at least 2 (LDS is a rank correlation over masks)")
-    unused = {key for key, _ in args.task_options} - {
-        key for task in args.tasks for key in options_of(task, args.task_options)
-    }
-    if unused:
-        parser.error(f"--task-options {sorted(unused)}: no task of --tasks takes them")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        parser.error("--max-new-tokens must be at least 1")
-    if args.ceiling_masks < 0:
-        parser.error("--ceiling-masks must be 0 (no ceiling) or a number of masks")
-    if args.length is None and set(args.tasks) - set(tasks.NATURAL_LENGTH):
-        parser.error(
-            f"--length natural is for tasks with a natural length ({', '.join(tasks.NATURAL_LENGTH)})"
-        )
-    if args.length is not None and args.length < 64:
-        parser.error("--length must be at least 64 tokens")
-    if min(args.ks) < 1:
-        parser.error("--ks must be positive numbers of sources")
-    if args.lsd_k is not None and not 1 <= args.lsd_k < (args.length or NATURAL):
-        parser.error(f"--lsd-k must be between 1 and the length - 1, got {args.lsd_k}")
-    if args.top_k < 1:
-        parser.error("--top-k must be at least 1")
-    if args.loo_rank_by and (args.loo_top_m is None or "leave_one_out" in args.loo_rank_by):
-        parser.error(
-            "--loo-rank-by ranks for a pruned leave_one_out: give --loo-top-m a number (not 'all') and "
-            "other detectors than leave_one_out"
-        )
-    if args.rejudge and args.explain == "own":
-        parser.error("--rejudge answers again without changing what was explained: not with --explain own")
-    if args.rejudge and args.resume:
-        parser.error("--rejudge redraws a finished study, --resume continues an unfinished one: give one")
-    if args.known is not None and args.rejudge:
-        parser.error("--known lends passes to a run, --rejudge runs none: give one")
-    if args.known is not None and not args.known.exists():
-        parser.error(f"--known {args.known} does not exist: give a study folder or its *_ablations.csv.gz")
+    if (refused := refusal(args)) is not None:
+        parser.error(refused)
     if args.out is not None:
         check_out(parser, args.out)
     check_device_arguments(parser, args)
     return args
 
 
-def length_setting(text: str) -> int | None:
-    """``--length``: a number of tokens, or ``natural`` (None: a real question's own length)."""
-    if text == "natural":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of tokens or 'natural', got {text!r}") from None
+def add_sample_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is explained: the model, its samples and their answer."""
+    add = parser.add_argument
+    add("--model", default="smollm2-135m", help="model name or local HF folder")
+    add("--tasks", nargs="+", default=["multihop-1", "multihop-2"], choices=tasks.names())
+    add("--task-options", nargs="*", type=task_option, default=[], metavar="KEY=NUMBER",
+        help="options of the tasks that take them, e.g. alpha=1.5 (key-token's LSD threshold)",
+    )  # fmt: skip
+    add("--length", type=length_setting, default=1024,
+        help="prompt length in tokens, or 'natural' (a real question's own length: tasks with one only)",
+    )  # fmt: skip
+    add("--explain", choices=EXPLAINED, default=None,
+        help="the answer the detectors explain, teacher-forced: the gold one or the model's own greedy "
+        "answer (its correctness in every row); default: own for real questions (hotpotqa), gold elsewhere",
+    )  # fmt: skip
+    add("--samples", type=int, default=SAMPLES, help=f"samples per task (default {SAMPLES})")
+
+
+def add_judgement_arguments(parser: argparse.ArgumentParser) -> None:
+    """The detectors and how they are judged."""
+    add = parser.add_argument
+    add("--detectors", nargs="+", default=None, choices=detectors.names(),
+        help=f"default: {' '.join(DEFAULT_DETECTORS)}",
+    )  # fmt: skip
+    add("--ks", type=int, nargs="+", default=[1, 4],
+        help="numbers of top sources removed / kept (comprehensiveness, sufficiency; default 1 4)",
+    )  # fmt: skip
+    add("--top-k", type=int, default=30, help="k of the top-k sets (CDT uses 30)")
+    add("--lsd-k", type=int, default=None, help="short context K of lsd (default: length / 4)")
+    add("--source-reduce", default="mean", choices=faithfulness.REDUCTIONS,
+        help="token scores -> one score per source (default mean: a sum favours long sentences)",
+    )  # fmt: skip
+    add("--masks", type=int, default=16, help="random source masks per sample for LDS")
+    add("--ceiling-masks", type=int, default=0,
+        help="fit the additive_ceiling reference on this many further random masks a sample (0: none; "
+        "the held-out study uses 256)",
+    )  # fmt: skip
+    add("--loo-top-m", type=top_m, default=8,
+        help=f"leave_one_out exact on the M sources {LOO_RANKER} ranks highest, the rest its scaled "
+        "estimate (default 8; 'all': exhaustive, one pass per source)",
+    )  # fmt: skip
+    add("--loo-rank-by", nargs="+", default=None, choices=detectors.names(), metavar="DETECTOR",
+        help="the detectors whose top --loo-top-m sources a pruned leave_one_out removes one by one "
+        f"(their union; the first scales onto the rest; default {LOO_RANKER})",
+    )  # fmt: skip
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the study runs: answers, seeds, batches, timing."""
+    add = parser.add_argument
+    add("--max-new-tokens", type=int, default=None,
+        help="greedy answer's length for the correct / wrong split (default: the gold answer's tokens + 4, "
+        "so that a long answer such as a kv UUID is never cut)",
+    )  # fmt: skip
+    add("--seed", type=int, default=0, help="first sample's seed; seed of the LDS masks")
+    add("--batch-size", type=int, default=1,
+        help="samples per detector pass and masked passes per forward (default 1 on this 2-core CPU: "
+        "batches of 4 sped up leave-one-out's passes 1.2x but slowed the whole faithfulness evaluation, "
+        "see bench/README.md; on a GPU use 8-16)",
+    )  # fmt: skip
+    add("--time-forward", action="store_const", const=True, default=None,
+        help="time one plain forward pass of each sample (best of two) into its rows' forward_seconds: "
+        "the unit of a detector's cost in forward-pass equivalents, seconds / forward_seconds",
+    )  # fmt: skip
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the study is written and what it takes from earlier runs."""
+    add = parser.add_argument
+    add("--out", type=Path, default=None,
+        help="default: figures/ for the default settings (what the README and RESULTS.md show), else "
+        "figures/studies/detector_{model}-{length}_{settings hash}/",
+    )  # fmt: skip
+    add("--resume", action="store_true",
+        help="keep the batches a killed run finished and the detections and masked passes of the one it "
+        "was in (in OUT/.detector_*_parts)",
+    )  # fmt: skip
+    add("--known", type=Path, default=None,
+        help="a study folder (or its *_ablations.csv.gz) run with the same --model, --length and --dtype: "
+        "every masked pass it saved of these samples is read, not run again (the same numbers, fewer "
+        "passes; e.g. the pruned leave-one-out reference beside an exhaustive run)",
+    )  # fmt: skip
+    add("--rejudge", action="store_true",
+        help="a finished study (in OUT, given with the settings it ran with): each sample's greedy answer "
+        "again under --max-new-tokens (generated, correct / wrong) and every table and figure redrawn; "
+        "no detector runs again",
+    )  # fmt: skip
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """The message of the first rule the parsed ``args`` break (for ``parser.error``), or None."""
+    offered = {key for task in args.tasks for key in options_of(task, args.task_options)}
+    unused = {key for key, _ in args.task_options} - offered
+    rejudge, known = args.rejudge, args.known
+    rules = [
+        (args.batch_size < 1, "--batch-size must be at least 1"),
+        (args.samples < 1, "--samples must be at least 1"),
+        (args.masks < 2, "--masks must be at least 2 (LDS is a rank correlation over masks)"),
+        (unused, f"--task-options {sorted(unused)}: no task of --tasks takes them"),
+        (args.max_new_tokens is not None and args.max_new_tokens < 1, "--max-new-tokens must be at least 1"),
+        (args.ceiling_masks < 0, "--ceiling-masks must be 0 (no ceiling) or a number of masks"),
+        (args.length is None and set(args.tasks) - set(tasks.NATURAL_LENGTH),
+         f"--length natural is for tasks with a natural length ({', '.join(tasks.NATURAL_LENGTH)})"),
+        (args.length is not None and args.length < 64, "--length must be at least 64 tokens"),
+        (min(args.ks) < 1, "--ks must be positive numbers of sources"),
+        (args.lsd_k is not None and not 1 <= args.lsd_k < (args.length or NATURAL),
+         f"--lsd-k must be between 1 and the length - 1, got {args.lsd_k}"),
+        (args.top_k < 1, "--top-k must be at least 1"),
+        (args.loo_rank_by and (args.loo_top_m is None or "leave_one_out" in args.loo_rank_by),
+         "--loo-rank-by ranks for a pruned leave_one_out: give --loo-top-m a number (not 'all') and "
+         "other detectors than leave_one_out"),
+        (rejudge and args.explain == "own",
+         "--rejudge answers again without changing what was explained: not with --explain own"),
+        (rejudge and args.resume,
+         "--rejudge redraws a finished study, --resume continues an unfinished one: give one"),
+        (known is not None and rejudge, "--known lends passes to a run, --rejudge runs none: give one"),
+        (known is not None and not known.exists(),
+         f"--known {known} does not exist: give a study folder or its *_ablations.csv.gz"),
+    ]  # fmt: skip
+    return next((message for wrong, message in rules if wrong), None)
 
 
 def task_option(text: str) -> tuple[str, float]:
@@ -363,6 +336,9 @@ def run_study(
     options = detector_options(
         names, args.length, args.seed, args.loo_top_m, args.top_k, args.lsd_k, args.loo_rank_by
     )
+    judgement = faithfulness.Judgement(
+        ks=args.ks, n_masks=args.masks, seed=args.seed, ceiling_masks=args.ceiling_masks
+    )
     samples = [(task, args.seed + i) for task in args.tasks for i in range(args.samples)]
     jobs = [sum(samples[i : i + args.batch_size], ()) for i in range(0, len(samples), args.batch_size)]
     parts = out / f".detector_{tag}_parts"
@@ -398,12 +374,9 @@ def run_study(
                 answers,
                 options,
                 source_reduce=args.source_reduce,
-                n_masks=args.masks,
-                seed=args.seed,
-                batch_size=args.batch_size,
+                judgement=judgement,
+                how=faithfulness.Passes(batch_size=args.batch_size),
                 pages=out / f"detector_{tag}_view" if job == jobs[0] else None,
-                ks=args.ks,
-                ceiling_masks=args.ceiling_masks,
                 ablations=ablations,
                 saved=saved,
             )

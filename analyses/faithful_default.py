@@ -16,7 +16,7 @@ with a 95 % bootstrap interval per model and candidate. Each sample's measuremen
 candidates are tried on them without running the model again.
 
 Only development seeds: no sample of the held-out study (seeds 5000–5005), the HotpotQA study (seeds
-0–31) or the default's judged run may be used here.
+0–31) or the default's judged run (7100–7105, 8000–8005) may be used here (:data:`RESERVED_SEEDS`).
 
     python -m analyses.faithful_default --model smollm2-135m --seeds 7000 7001 7002 \
         --out figures/studies/faithful_default_dev
@@ -51,6 +51,8 @@ RANKER_SETS = (
 )
 BUDGETS = (1, 2, 3, 4)
 MASKS = 32
+#: Seeds of the held-out study, the HotpotQA study and the judged run: never development's
+RESERVED_SEEDS = set(range(32)) | set(range(5000, 5006)) | set(range(7100, 7106)) | set(range(8000, 8006))
 
 
 def measure(model, tokenizer, task: str, seed: int, length: int | None) -> tuple[dict, dict]:
@@ -127,10 +129,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    if set(args.seeds) & (set(range(5000, 5006)) | set(range(32))):
+    if set(args.seeds) & RESERVED_SEEDS:
         parser.error(
-            "--seeds: the held-out study's (5000–5005) and the HotpotQA study's (0–31) are not for "
-            "development"
+            "--seeds: the held-out study's (5000–5005), the HotpotQA study's (0–31) and the judged run's "
+            "(7100–7105, 8000–8005; figures/studies/faithful_default_protocol.md) are not for development"
         )
     model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)

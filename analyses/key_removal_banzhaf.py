@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 start = time.perf_counter()
                 scores[name] = scorer(model, tokenizer, sample)
                 seconds[name] = time.perf_counter() - start
-            frame = faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=args.masks)
+            frame = faithfulness.evaluate(
+                model, sample, scores, faithfulness.Judgement(ks=[1], n_masks=args.masks)
+            )
             frame = frame[["scorer", "lds"]].assign(
                 seconds=frame.scorer.map(seconds), model=args.model, length=args.length, task=task, seed=seed
             )

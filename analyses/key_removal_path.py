@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 for name, (depth, steps) in VARIANTS.items()
             }
             scores["loo"] = probe.detect("leave_one_out", model, tokenizer, sample).source_scores(sample)
-            frame = faithfulness.evaluate(model, sample, scores, ks=[1, 4], n_masks=16)
+            frame = faithfulness.evaluate(
+                model, sample, scores, faithfulness.Judgement(ks=[1, 4], n_masks=16)
+            )
             rows.append(frame[["scorer", "lds", "aopc_comprehensiveness"]].assign(task=task, seed=seed))
             print(rows[-1].to_string(index=False), f"{time.perf_counter() - start:.0f} s", flush=True)
     table = pd.concat(rows, ignore_index=True)

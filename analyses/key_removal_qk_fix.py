@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 name: faithfulness.source_scores(score, sample.sources, "sum")
                 for name, score in tokens.items()
             }
-            frame = faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=32)
+            frame = faithfulness.evaluate(model, sample, scores, faithfulness.Judgement(ks=[1], n_masks=32))
             rows.append(
                 frame[["scorer", "lds"]].assign(model=args.model, length=args.length, task=task, seed=seed)
             )

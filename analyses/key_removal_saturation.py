@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         top = int(first_order["whole"].argmax())
         chosen = list(dict.fromkeys([*supporting, top]))
     removal = by_group(
-        lambda target: faithfulness.leave_one_out_drops(model, sample, chosen, target=target)[0]
+        lambda target: faithfulness.leave_one_out_drops(
+            model, sample, chosen, faithfulness.Passes(target=target)
+        )[0]
     )
     rows = []
     for name, group in groups.items():

@@ -76,7 +76,9 @@ def judged_sources(
 ) -> pd.DataFrame:
     """Source scorings (``"detector/reduction"`` → Tensor[sources]) judged on the same 32 random half
     masks and top-k masks: one row per scoring."""
-    frame = faithfulness.evaluate(model, sample, source_scores, ks=KS, n_masks=MASKS, seed=seed)
+    frame = faithfulness.evaluate(
+        model, sample, source_scores, faithfulness.Judgement(ks=KS, n_masks=MASKS, seed=seed)
+    )
     detector, reduce = frame.scorer.str.split("/", expand=True).T.values
     frame = frame.assign(task=task, seed=seed, detector=detector, reduce=reduce)
     lds = frame.set_index("scorer").lds

@@ -118,13 +118,12 @@ def judge_sample(model, tokenizer, sample, top_m: int | None, ks, n_masks: int, 
     pruning = (
         {} if top_m is None else {"top_m": top_m, "ranking": found["key_removal_grad"].source_scores(sample)}
     )
+    judgement, how = faithfulness.Judgement(ks=ks, n_masks=n_masks), faithfulness.Passes(compact=compact)
     start = time.perf_counter()
     exact = probe.detect("leave_one_out", model, tokenizer, sample, compact=compact, **pruning)
     known, scorers["leave_one_out"] = faithfulness.Ablations.of(exact), exact.source_scores(sample)
     with mock.patch.object(faithfulness, "answer_scores", wraps=faithfulness.answer_scores) as calls:
-        frame = faithfulness.evaluate(
-            model, sample, scorers, ks=ks, n_masks=n_masks, compact=compact, known=[known]
-        )
+        frame = faithfulness.evaluate(model, sample, scorers, judgement, how, known=[known])
     passes = len(known.removed) + sum(len(call.args[2]) for call in calls.call_args_list)
     return time.perf_counter() - start, passes, float(frame.lds.sum())
 
@@ -177,10 +176,10 @@ def _run_child(
         totals = {"seconds": seconds, "passes": passes, "logprob_sum": lds, "samples": loo_samples}
         return {**totals, "peak_mib": float("nan")}
     if method in MASK_METHODS:
-        removed = bench_masks(sample)
+        removed, how = bench_masks(sample), faithfulness.Passes(**MASK_METHODS[method])
 
         def run():
-            return faithfulness.answer_scores(model, sample, removed, **MASK_METHODS[method])
+            return faithfulness.answer_scores(model, sample, removed, how)
 
         stats, result = measure(run, lambda: faithfulness.answer_scores(model, sample, removed[:2]), device)
         return {**stats, "samples": 1, "passes": len(removed), "logprob_sum": float(result.logprob.sum())}

@@ -170,7 +170,7 @@ def test_compacted_passes_equal_key_masking_with_an_explicit_mask(name, seed):
     model = tiny_for(name)
     n = len(sample.sources)
     removed = torch.rand(3, n, generator=torch.Generator().manual_seed(seed % 1000)) < 0.5
-    compact = faithfulness.answer_scores(model, sample, removed, compact=True).logprob
+    compact = faithfulness.answer_scores(model, sample, removed, faithfulness.Passes(compact=True)).logprob
     rows = sample.target_positions - 1
     gold = sample.input_ids[sample.target_positions]
     for mask, value in zip(removed, compact, strict=True):

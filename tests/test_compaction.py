@@ -32,8 +32,10 @@ def compaction_masks(n_sources: int) -> torch.Tensor:
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_compaction_equals_key_masking_and_explicit_eager_masks(model, sample, reuse_prefix, batch_size):
     removed = compaction_masks(len(sample.sources))
-    masked = faithfulness.answer_scores(model, sample, removed, reuse_prefix=False, compact=False)
-    compact = faithfulness.answer_scores(model, sample, removed, reuse_prefix, batch_size, compact=True)
+    uncached = faithfulness.Passes(reuse_prefix=False, compact=False)
+    masked = faithfulness.answer_scores(model, sample, removed, uncached)
+    how = faithfulness.Passes(reuse_prefix, batch_size, compact=True)
+    compact = faithfulness.answer_scores(model, sample, removed, how)
     assert (compact.logprob - masked.logprob).abs().max() <= COMPACT_ATOL
     assert torch.equal(compact.correct, masked.correct)
     hidden = compaction.removed_positions(sample.sources, removed[0]).tolist()
@@ -45,7 +47,7 @@ def test_windows_count_positions_not_kept_tokens(tokenizer, sample):
     """Without the map to original positions, Gemma 3's 6-token windows would count kept tokens."""
     model = probe.tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=1024)
     removed = compaction_masks(len(sample.sources))[:1]
-    expected = faithfulness.answer_scores(model, sample, removed, compact=False).logprob
+    expected = faithfulness.answer_scores(model, sample, removed, faithfulness.Passes(compact=False)).logprob
     hidden = compaction.removed_positions(sample.sources, removed[0])
     kept = torch.ones(len(sample.input_ids), dtype=torch.bool)
     kept[hidden] = False
@@ -71,9 +73,10 @@ def test_windows_count_positions_not_kept_tokens(tokenizer, sample):
 def test_compaction_under_nested_modifiers(model, sample):
     removed = compaction_masks(len(sample.sources))
     with probe.attention_window(model, 40), probe.ablate_heads(model, [(1, 0)]):
-        masked = faithfulness.answer_scores(model, sample, removed, compact=False)
-        compact = faithfulness.answer_scores(model, sample, removed, batch_size=2, compact=True)
-    plain = faithfulness.answer_scores(model, sample, removed, compact=True)
+        masked = faithfulness.answer_scores(model, sample, removed, faithfulness.Passes(compact=False))
+        batched = faithfulness.Passes(batch_size=2, compact=True)
+        compact = faithfulness.answer_scores(model, sample, removed, batched)
+    plain = faithfulness.answer_scores(model, sample, removed, faithfulness.Passes(compact=True))
     assert (compact.logprob - masked.logprob).abs().max() <= COMPACT_ATOL
     assert (plain.logprob - masked.logprob).abs().min() > COMPACT_ATOL  # the modifiers change every answer
 
@@ -81,11 +84,15 @@ def test_compaction_under_nested_modifiers(model, sample):
 def test_compaction_is_the_default_where_positions_come_from_position_ids(model, sample):
     assert compaction.compaction_supported(model)
     frame = faithfulness.evaluate(
-        model, sample, {"truth": faithfulness.ground_truth_scores(sample)}, n_masks=4
+        model, sample, {"truth": faithfulness.ground_truth_scores(sample)}, faithfulness.Judgement(n_masks=4)
     )
     assert frame.attrs["ablation"] == "compaction"
     frame = faithfulness.evaluate(
-        model, sample, {"truth": faithfulness.ground_truth_scores(sample)}, n_masks=4, compact=False
+        model,
+        sample,
+        {"truth": faithfulness.ground_truth_scores(sample)},
+        faithfulness.Judgement(n_masks=4),
+        faithfulness.Passes(compact=False),
     )
     assert frame.attrs["ablation"] == "key_masking"
 
@@ -129,7 +136,7 @@ def test_compaction_equals_key_masking_on_the_real_models_at_1k(name):
     model, tokenizer = probe.load_model(name)
     sample = tasks.make("multihop-2", tokenizer, 1024, seed=0)
     removed = compaction_masks(len(sample.sources))[[0, 5, 6]]  # half, one, all but one removed
-    masked = faithfulness.answer_scores(model, sample, removed, compact=False)
-    compact = faithfulness.answer_scores(model, sample, removed, compact=True)
+    masked = faithfulness.answer_scores(model, sample, removed, faithfulness.Passes(compact=False))
+    compact = faithfulness.answer_scores(model, sample, removed, faithfulness.Passes(compact=True))
     assert (compact.logprob - masked.logprob).abs().max() <= COMPACT_ATOL
     assert torch.equal(compact.correct, masked.correct)

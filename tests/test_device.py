@@ -100,6 +100,7 @@ def test_shared_pass_batches_faithfulness_and_the_probes_on_the_device(models, t
     model, moved, context, atol = models
     ids, targets = sample.input_ids, sample.target_positions
     scores = {"recency": detectors.detect("recency", model, tokenizer, sample).source_scores(sample)}
+    judged = faithfulness.Judgement(ks=[1, 2], n_masks=4)
 
     def run(model) -> dict:
         """Each probe's result on the CPU (tensors of the model's device moved back, as a user would)."""
@@ -109,8 +110,10 @@ def test_shared_pass_batches_faithfulness_and_the_probes_on_the_device(models, t
             "many": detectors.detect_many(SHARED, model, tokenizer, [sample, sample]),
             "flow": probe.information_flow(model, ids, targets).cpu(),
             "trace": traced(model, ids, targets),
-            "faithfulness": faithfulness.evaluate(model, sample, scores, ks=[1, 2], n_masks=4),
-            "masked": faithfulness.evaluate(model, sample, scores, ks=[1, 2], n_masks=4, compact=False),
+            "faithfulness": faithfulness.evaluate(model, sample, scores, judged),
+            "masked": faithfulness.evaluate(
+                model, sample, scores, judged, faithfulness.Passes(compact=False)
+            ),
             "ablated": ablated,
         }
 
@@ -196,7 +199,9 @@ def test_targets_on_the_device(models, tokenizer, sample):
             (
                 detectors.detect("information_flow", model, tokenizer, sample, target=target).scores,
                 detectors.detect("key_removal_banzhaf", model, tokenizer, sample, target=target).scores,
-                faithfulness.answer_scores(model, sample, removed, target=target).logprob,
+                faithfulness.answer_scores(
+                    model, sample, removed, faithfulness.Passes(target=target)
+                ).logprob,
             )
             for target in targets
         ]

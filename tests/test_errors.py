@@ -193,6 +193,7 @@ def test_a_foil_as_text_or_outside_the_vocabulary_and_a_one_mask_ceiling_are_ref
     k = len(sample.target_positions)
     vocab = tiny.get_output_embeddings().weight.shape[0]
     beyond = Contrast([vocab + 5] * k)
+    flat = {"flat": torch.ones(len(sample.sources))}
 
     def forward(*args, **kwargs):
         raise AssertionError("the model ran")
@@ -201,6 +202,6 @@ def test_a_foil_as_text_or_outside_the_vocabulary_and_a_one_mask_ceiling_are_ref
     with pytest.raises(OutOfRangeError, match=f"outside the model's vocabulary of {vocab} tokens"):
         probe.detect("embedding_grad", tiny, None, sample, target=beyond)
     with pytest.raises(OutOfRangeError, match="outside the model's vocabulary"):
-        faithfulness.evaluate(tiny, sample, {"flat": torch.ones(len(sample.sources))}, target=beyond)
+        faithfulness.evaluate(tiny, sample, flat, how=faithfulness.Passes(target=beyond))
     with pytest.raises(InvalidValueError, match="ceiling_masks=1 leaves"):
-        faithfulness.evaluate(tiny, sample, {"flat": torch.ones(len(sample.sources))}, ceiling_masks=1)
+        faithfulness.evaluate(tiny, sample, flat, faithfulness.Judgement(ceiling_masks=1))

@@ -8,6 +8,7 @@ Gemma-3-style sliding windows, smaller here than the gaps a removed source opens
 and not kept tokens; without that map the result is wrong (checked, so these tests can fail). Tiny
 Llama and Gemma 3, nested modifiers, the architecture zoo, the real models at 1K."""
 
+import dataclasses
 import functools
 import json
 
@@ -20,7 +21,7 @@ from test_retrieval import copying_model
 
 import probe
 from probe import detectors, faithfulness, journal, tasks
-from probe.faithfulness import compaction, masks
+from probe.faithfulness import Judgement, compaction, masks
 from probe.probes.retrieval import needle_answer_positions
 
 ATOL = 1e-5
@@ -30,8 +31,8 @@ def test_answer_scores_match_eager_with_explicit_masks_and_reuse_is_exact(model,
     n_sources = len(sample.sources)
     removed = faithfulness.random_masks(n_sources, 5, seed=3)
     removed[0] = False  # the full context
-    reused = faithfulness.answer_scores(model, sample, removed, reuse_prefix=True)
-    uncached = faithfulness.answer_scores(model, sample, removed, reuse_prefix=False)
+    reused = faithfulness.answer_scores(model, sample, removed, faithfulness.Passes(reuse_prefix=True))
+    uncached = faithfulness.answer_scores(model, sample, removed, faithfulness.Passes(reuse_prefix=False))
     assert (reused.logprob - uncached.logprob).abs().max() <= ATOL
     assert torch.equal(reused.correct, uncached.correct)
     for mask, got in zip(removed, reused.logprob, strict=True):
@@ -39,7 +40,8 @@ def test_answer_scores_match_eager_with_explicit_masks_and_reuse_is_exact(model,
         assert abs(eager_answer_logprob(model, sample, hidden) - float(got)) <= ATOL
     assert len(reused.logprob.unique()) == len(removed)  # the masks change the answer's log-prob
     for batch_size in (2, 5):
-        batched = faithfulness.answer_scores(model, sample, removed, batch_size=batch_size)
+        how = faithfulness.Passes(batch_size=batch_size)
+        batched = faithfulness.answer_scores(model, sample, removed, how)
         assert (batched.logprob - uncached.logprob).abs().max() <= ATOL
         assert torch.equal(batched.correct, uncached.correct)
 
@@ -54,7 +56,8 @@ def test_passes_run_the_lm_head_on_the_answer_rows_only(model, sample, compact):
     )
     removed = faithfulness.random_masks(len(sample.sources), 4, seed=3)
     try:
-        faithfulness.answer_scores(model, sample, removed, reuse_prefix=True, compact=compact)
+        how = faithfulness.Passes(reuse_prefix=True, compact=compact)
+        faithfulness.answer_scores(model, sample, removed, how)
     finally:
         hook.remove()
     assert len(rows_seen) > len(removed)  # the prefix cache was extended
@@ -75,7 +78,8 @@ def test_leave_one_out_equals_hand_computed_differences(model, sample, compact):
 
 def test_leave_one_out_drops_of_chosen_sources_equal_hand_computed_differences(model, sample):
     chosen = [4, 0, 2]
-    drops, ran = faithfulness.leave_one_out_drops(model, sample, chosen, reuse_prefix=False)
+    uncached = faithfulness.Passes(reuse_prefix=False)
+    drops, ran = faithfulness.leave_one_out_drops(model, sample, chosen, uncached)
     full = eager_answer_logprob(model, sample, [])
     assert not ran.removed[0].any() and float(ran.scores.logprob[0]) == pytest.approx(full, abs=ATOL)
     assert ran.removed[1:].sum(1).tolist() == [1, 1, 1] and ran.removed[1:].nonzero()[:, 1].tolist() == chosen
@@ -90,7 +94,7 @@ def test_removal_drops_of_groups_equal_hand_computed_differences(model, sample):
     removed = torch.zeros(len(groups), len(sample.sources), dtype=torch.bool)
     for row, group in enumerate(groups):
         removed[row, group] = True
-    drops, ran = faithfulness.removal_drops(model, sample, removed, reuse_prefix=False)
+    drops, ran = faithfulness.removal_drops(model, sample, removed, faithfulness.Passes(reuse_prefix=False))
     assert not ran.removed[0].any() and torch.equal(ran.removed[1:], removed)
     full = eager_answer_logprob(model, sample, [])
     for group, drop in zip(groups, drops, strict=True):
@@ -147,7 +151,7 @@ def test_source_scores_by_hand(sample):
 
 def test_evaluate_reports_the_drops_of_its_own_masks(model, sample):
     truth = faithfulness.ground_truth_scores(sample)
-    frame = faithfulness.evaluate(model, sample, {"truth": truth}, ks=(1, 2), n_masks=6)
+    frame = faithfulness.evaluate(model, sample, {"truth": truth}, Judgement(ks=(1, 2), n_masks=6))
     (row,) = frame.to_dict("records")
     masks = faithfulness.top_k_masks(truth, (1, 2))
     every = torch.cat([torch.zeros_like(masks[:1]), masks, ~masks])
@@ -164,7 +168,8 @@ def test_evaluate_fits_the_ceiling_on_its_own_masks_and_shares_are_of_its_lds(mo
     LDS mask, judged like any scorer; every row's ``lds_share`` is its LDS over the ceiling's."""
     truth = faithfulness.ground_truth_scores(sample)
     scorers = {"truth": truth}
-    frame = faithfulness.evaluate(model, sample, scorers, ks=(1,), n_masks=8, seed=4, ceiling_masks=40)
+    judged = Judgement(ks=(1,), n_masks=8, seed=4, ceiling_masks=40)
+    frame = faithfulness.evaluate(model, sample, scorers, judged)
     n = len(sample.sources)
     lds_masks = faithfulness.random_masks(n, 8, seed=4)
     fit = faithfulness.random_masks(n, 40, seed=4 + masks.CEILING_SEED)
@@ -177,7 +182,7 @@ def test_evaluate_fits_the_ceiling_on_its_own_masks_and_shares_are_of_its_lds(mo
     assert truth_row.lds_share == pytest.approx(truth_row.lds / ceiling.lds) and ceiling.lds_share == 1.0
     assert frame.attrs["ceiling_masks"] == 40
     with pytest.raises(ValueError, match="ceiling_masks"):
-        faithfulness.evaluate(model, sample, {"truth": truth}, ceiling_masks=-1)
+        faithfulness.evaluate(model, sample, {"truth": truth}, Judgement(ceiling_masks=-1))
 
 
 def test_bad_masks_are_refused(model, sample):
@@ -297,9 +302,10 @@ def test_evaluate_takes_the_masks_leave_one_out_ran_instead_of_running_them_agai
     monkeypatch.setattr(
         faithfulness, "answer_scores", lambda m, s, mask, **kw: ran.append(mask) or real(m, s, mask, **kw)
     )
-    plain = faithfulness.evaluate(model, sample, scores, ks=[1, 2], n_masks=4)
+    judged = Judgement(ks=[1, 2], n_masks=4)
+    plain = faithfulness.evaluate(model, sample, scores, judged)
     known = faithfulness.Ablations.of(exact)
-    reused = faithfulness.evaluate(model, sample, scores, ks=[1, 2], n_masks=4, known=[known])
+    reused = faithfulness.evaluate(model, sample, scores, judged, known=[known])
     numbers = plain.select_dtypes("number").columns
     assert (reused[numbers] - plain[numbers]).abs().max().max() <= ATOL
     everything, rest = ran
@@ -309,7 +315,7 @@ def test_evaluate_takes_the_masks_leave_one_out_ran_instead_of_running_them_agai
     assert faithfulness.Ablations.of(probe.detect("attention", model, None, sample)) is None
     with pytest.raises(ValueError, match="sources"):
         wrong = faithfulness.Ablations(known.removed[:, :-1], known.scores)
-        faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=4, known=[wrong])
+        faithfulness.evaluate(model, sample, scores, Judgement(ks=[1], n_masks=4), known=[wrong])
 
 
 def test_recorded_passes_saved_as_a_table_judge_other_scores_without_running_again(
@@ -319,8 +325,9 @@ def test_recorded_passes_saved_as_a_table_judge_other_scores_without_running_aga
     same sample (``from_frame``), they judge other scores with only those scores' own top-k masks
     run, and the numbers equal a fresh evaluation's. Another sample finds none of them."""
     first = {"truth": faithfulness.ground_truth_scores(sample)}
-    record = []
-    plain = faithfulness.evaluate(model, sample, first, ks=[1, 2], n_masks=6, ceiling_masks=8, record=record)
+    record, judged = [], Judgement(ks=[1, 2], n_masks=6)
+    ceiling = dataclasses.replace(judged, ceiling_masks=8)
+    plain = faithfulness.evaluate(model, sample, first, ceiling, record=record)
     table = pd.concat([one.to_frame(sample) for one in record])
     assert table.removed.str.len().eq(len(sample.sources)).all() and not table.duplicated("removed").any()
     known = faithfulness.Ablations.from_frame(table, sample)
@@ -329,13 +336,13 @@ def test_recorded_passes_saved_as_a_table_judge_other_scores_without_running_aga
     monkeypatch.setattr(
         faithfulness, "answer_scores", lambda m, s, mask, **kw: ran.append(mask) or real(m, s, mask, **kw)
     )
-    again = faithfulness.evaluate(model, sample, first, ks=[1, 2], n_masks=6, ceiling_masks=8, known=[known])
+    again = faithfulness.evaluate(model, sample, first, ceiling, known=[known])
     numbers = plain.select_dtypes("number").columns
     assert ran == [] and (again[numbers] - plain[numbers]).abs().max().max() <= ATOL
     other = {"other": torch.linspace(1, 0, len(sample.sources))}
-    reused = faithfulness.evaluate(model, sample, other, ks=[1, 2], n_masks=6, known=[known])
+    reused = faithfulness.evaluate(model, sample, other, judged, known=[known])
     monkeypatch.setattr(faithfulness, "answer_scores", real)
-    fresh = faithfulness.evaluate(model, sample, other, ks=[1, 2], n_masks=6)
+    fresh = faithfulness.evaluate(model, sample, other, judged)
     columns = fresh.select_dtypes("number").columns
     assert (reused[columns] - fresh[columns]).abs().max().max() <= ATOL
     (mine,) = ran
@@ -375,7 +382,8 @@ def test_a_killed_run_of_passes_goes_on_from_the_journal_bit_for_bit(model, samp
     passes.kill_after(None)
     faithfulness.answer_scores(model, sample, removed[:2])  # no journal: every mask runs
     with journal.Journal(tmp_path / "job"):
-        faithfulness.answer_scores(model, sample, removed[:1], compact=False)  # key masking: not read
+        key_masking = faithfulness.Passes(compact=False)
+        faithfulness.answer_scores(model, sample, removed[:1], key_masking)  # not read
     assert passes.calls == 3
     kept.clear()
     with kept:
@@ -391,9 +399,9 @@ def test_nan_scores_empty_ks_and_too_few_masks_are_refused(model, sample):
         faithfulness.evaluate(model, sample, {"broken": nan})
     truth = {"truth": faithfulness.ground_truth_scores(sample)}
     with pytest.raises(ValueError, match="ks must be"):
-        faithfulness.evaluate(model, sample, truth, ks=())
+        faithfulness.evaluate(model, sample, truth, Judgement(ks=()))
     with pytest.raises(ValueError, match="n_masks must be"):
-        faithfulness.evaluate(model, sample, truth, n_masks=0)
+        faithfulness.evaluate(model, sample, truth, Judgement(n_masks=0))
     with pytest.raises(ValueError, match="one value per source"):
         faithfulness.evaluate(model, sample, {"list": [0.0] * n_sources})
 
@@ -405,7 +413,7 @@ def test_saved_passes_give_back_each_masks_logprob_and_exhaustive_leave_one_out(
     exact = probe.detect("leave_one_out", model, None, sample)
     record = [faithfulness.Ablations.of(exact)]  # its single removals, as a study records them
     scores = {"loo": exact.source_scores()}
-    faithfulness.evaluate(model, sample, scores, ks=[1], n_masks=4, known=record[:], record=record)
+    faithfulness.evaluate(model, sample, scores, Judgement(ks=[1], n_masks=4), known=record[:], record=record)
     table = pd.concat([one.to_frame(sample) for one in record])
     known = faithfulness.Ablations.from_frame(table)
     assert torch.equal(known.removed, faithfulness.Ablations.from_frame(table, sample).removed)

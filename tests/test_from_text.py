@@ -86,7 +86,9 @@ def test_attribute_explains_a_response_per_source_and_every_measure_takes_it(tin
     assert frame.score[0] == pytest.approx(float(full - by_hand), abs=1e-4)
     assert "longprobe-view" in found._repr_html_()
     assert set(metrics.plausibility(found, sample)) >= {"auroc", "fact_hit_rate"}
-    faithful = faithfulness.evaluate(model, sample, {"loo": found.source_scores()}, n_masks=4)
+    faithful = faithfulness.evaluate(
+        model, sample, {"loo": found.source_scores()}, faithfulness.Judgement(n_masks=4)
+    )
     assert len(faithful) == 1
     generated = probe.attribute(model, tokenizer, CONTEXT, QUERY, max_new_tokens=3)
     assert generated.sample.answer == probe.answer(

@@ -77,3 +77,14 @@ def test_the_judgement_reuses_its_passes_and_bad_options_are_refused(model, samp
         with pytest.raises(probe.LongprobeError):
             probe.detect("leave_few_out", model, None, sample, **options)
     assert passes.calls == 0  # refused before any masked pass
+
+
+@pytest.mark.parametrize("seed", ["3", "5002", "7100", "8005"])
+def test_development_refuses_the_seeds_of_the_studies_that_judge(seed, tmp_path, capsys):
+    """``analyses.faithful_default`` develops on its own seeds: those of the held-out study, the HotpotQA
+    study and the judged run are refused before any model loads."""
+    from analyses import faithful_default
+
+    with pytest.raises(SystemExit):
+        faithful_default.main(["--model", "no-such-model", "--seeds", "7000", seed, "--out", str(tmp_path)])
+    assert "not for development" in capsys.readouterr().err and not list(tmp_path.iterdir())

@@ -12,6 +12,7 @@ TINY_SETTINGS = {
     "claims.ipynb": {"KEYS": ["nope_first", "decay_last", "retrieval_heads", "cdt_scale"]},
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
     "faithful_default.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192},
+    "hotpotqa.ipynb": {"MODEL": TINY_MODEL, "SEED": 7309, "MASKS": 4},  # 1,098 tokens: within 2K
     "learn_head_weights.ipynb": {
         "MODEL": TINY_MODEL, "LENGTH": 192, "TRAIN_SAMPLES": 2, "HELDOUT_LENGTH": 160, "MASKS": 6,
     },  # fmt: skip

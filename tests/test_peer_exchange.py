@@ -47,11 +47,11 @@ def test_a_peer_round_trip_is_judged_like_our_detectors(samples, model, tmp_path
         assert scores[exchange.sample_key(sample)][0].tolist() == lengths
         assert math.isfinite(scores[exchange.sample_key(sample)][1])  # timed on this machine's CPU
         assert exchange.key_fields(exchange.sample_key(sample)) == (sample.task, sample.length, sample.seed)
-    table = exchange.judge(model, samples, {"fake": scores}, ceiling_masks=24, ks=(1,), n_masks=8)
+    judged = probe.faithfulness.Judgement(ks=(1,), n_masks=8, ceiling_masks=24)
+    table = exchange.judge(model, samples, {"fake": scores}, judged)
     assert set(table.scorer) == {"fake", "additive_ceiling"} and len(table) == 4
     one = samples[0]
-    direct = probe.faithfulness.evaluate(model, one, {"fake": scores[exchange.sample_key(one)][0]},
-                                         ks=(1,), n_masks=8, ceiling_masks=24)  # fmt: skip
+    direct = probe.faithfulness.evaluate(model, one, {"fake": scores[exchange.sample_key(one)][0]}, judged)
     mine = table[table["sample"] == exchange.sample_key(one)].reset_index(drop=True)
     assert mine.lds.tolist() == pytest.approx(direct.lds.tolist())
 
@@ -65,22 +65,22 @@ def test_a_method_scored_after_its_sample_was_judged_is_added_to_the_part_alone(
     n = len(sample.sources)
     methods = {"first": {key: (torch.arange(n, dtype=torch.float), 2.0)},
                "second": {key: (torch.arange(n, dtype=torch.float).flip(0) ** 2, 6.0)}}  # fmt: skip
-    options = {"ceiling_masks": 24, "ks": (1, 2), "n_masks": 8}
+    judged = probe.faithfulness.Judgement(ks=(1, 2), n_masks=8, ceiling_masks=24)
     part, units = tmp_path / f"{key}.csv", iter([0.5, 99.0])
     alone = {"first": methods["first"]}
-    first = exchange.judge_part(part, model, sample, alone, lambda: next(units), **options)
+    first = exchange.judge_part(part, model, sample, alone, lambda: next(units), judged)
     assert set(first.scorer) == {"first", "additive_ceiling"}
-    both = exchange.judge_part(part, model, sample, methods, lambda: next(units), **options)
+    both = exchange.judge_part(part, model, sample, methods, lambda: next(units), judged)
     assert both.scorer.tolist() == ["first", "additive_ceiling", "second"]
     pd.testing.assert_frame_equal(both.iloc[:2], first)
-    at_once = exchange.judge(model, [sample], methods, **options).set_index("scorer")
+    at_once = exchange.judge(model, [sample], methods, judged).set_index("scorer")
     second = both.set_index("scorer").loc["second"]
     for column in ("lds", "lds_share", "comprehensiveness_k2", "sufficiency_k1", "correct_kept_k2"):
         assert second[column] == pytest.approx(at_once.loc["second", column], abs=1e-6)
     assert second.forwards == 6.0 / 99.0 and both.forward_seconds.tolist() == [0.5, 0.5, 99.0]
     assert pd.read_csv(part).equals(both)
     with patch.object(exchange, "judge", side_effect=AssertionError("nothing new to judge")):
-        assert exchange.judge_part(part, model, sample, methods, lambda: 1.0, **options).equals(both)
+        assert exchange.judge_part(part, model, sample, methods, lambda: 1.0, judged).equals(both)
 
 
 @pytest.mark.parametrize(
@@ -340,3 +340,22 @@ def test_results_peers_table_is_what_the_committed_runs_say():
     start, end = compare.RESULTS_MARKERS
     committed = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert committed == compare.results_markdown(compare.ROOT / "bench" / "results" / "peers")
+
+
+def test_exported_samples_carry_the_answer_asked_for_gold_or_the_models_own(model):
+    """``--explain own``: each exported sample carries the model's greedy answer, teacher-forced, as the
+    detector studies explain it (:func:`analyses.comparison.explained`); gold leaves the task's answer;
+    the default is own for real questions only (a planted task keeps its gold answer)."""
+    from analyses.comparison import greedy_answer
+    from analyses.peers.export_samples import heldout_samples
+
+    tokenizer = AutoTokenizer.from_pretrained(converted_folder("smollm2-135m"))
+    gold = heldout_samples(model, tokenizer, ["kv"], 2, 0, 200, "gold")
+    by_default = heldout_samples(model, tokenizer, ["kv"], 2, 0, 200)
+    own = heldout_samples(model, tokenizer, ["kv"], 2, 0, 200, "own")
+    for plain, default, mine in zip(gold, by_default, own, strict=True):
+        assert default.answer == plain.answer == tasks.make("kv", tokenizer, 200, seed=plain.seed).answer
+        given = greedy_answer(model, tokenizer, plain, None)["given"]
+        assert mine.answer == (given or plain.answer)
+        assert mine.prompt_text == plain.prompt_text
+    assert any(mine.answer != plain.answer for plain, mine in zip(gold, own, strict=True))

@@ -52,9 +52,10 @@ def test_ablations_report_the_target_and_gradients_are_linear_in_it(story):
     removed = torch.tensor([[False] * len(sample.sources), [True] + [False] * (len(sample.sources) - 1)])
     plain = faithfulness.answer_scores(model, sample, removed).logprob
     of_foil = faithfulness.answer_scores(
-        model, sample, removed, target=lambda logits, _: answer_logprob(logits, foil)
+        model, sample, removed, faithfulness.Passes(target=lambda logits, _: answer_logprob(logits, foil))
     )
-    contrast = faithfulness.answer_scores(model, sample, removed, target=Contrast(foil)).logprob
+    contrasted = faithfulness.Passes(target=Contrast(foil))
+    contrast = faithfulness.answer_scores(model, sample, removed, contrasted).logprob
     torch.testing.assert_close(contrast, plain - of_foil.logprob, atol=1e-8, rtol=0)
     with torch.no_grad():
         assert float(plain[0]) == pytest.approx(
@@ -106,8 +107,9 @@ def test_answer_token_targets_explain_one_token_and_sum_to_the_default():
         per_token.append(got)
     whole = embedding_grads(model, sample.input_ids, sample.target_positions)
     torch.testing.assert_close(sum(per_token), whole, atol=1e-8, rtol=1e-6)
-    last = faithfulness.answer_scores(model, sample, torch.zeros(1, len(sample.sources), dtype=torch.bool),
-                                      target=AnswerToken(-1)).logprob  # fmt: skip
+    full = torch.zeros(1, len(sample.sources), dtype=torch.bool)
+    last_token = faithfulness.Passes(target=AnswerToken(-1))
+    last = faithfulness.answer_scores(model, sample, full, last_token).logprob
     assert float(last[0]) == pytest.approx(
         float(torch.log_softmax(rows[-1].detach(), -1)[answer[-1]]), abs=1e-6
     )

@@ -60,9 +60,10 @@ from probe.atomic import atomic_write  # noqa: E402
 from probe.errors import InvalidValueError  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
 
+from ..arguments import length_setting  # noqa: E402
 from ..claims import update_results  # noqa: E402
-from ..comparison import forward_seconds  # noqa: E402
-from ..study_files import saved_passes  # noqa: E402
+from ..comparison import EXPLAINED, forward_seconds  # noqa: E402
+from ..study_files import length_of, saved_passes  # noqa: E402
 from . import exchange, peer_io  # noqa: E402
 from .export_samples import heldout_samples  # noqa: E402
 
@@ -262,7 +263,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--seed", type=int, default=5000, help="first sample's seed; seed of the LDS masks (the study's)"
     )
-    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--length", type=length_setting, default=1024, help="tokens, or 'natural'")
+    parser.add_argument(
+        "--explain", choices=EXPLAINED, default=None,
+        help="the answer explained: gold, or the model's own (default: own for real questions)",
+    )  # fmt: skip
     parser.add_argument("--peers", nargs="*", default=PEERS)
     parser.add_argument("--ours", nargs="*", default=OURS, choices=probe.detectors.names())
     parser.add_argument("--masks", type=int, default=32)
@@ -297,10 +302,11 @@ def main(argv: list[str] | None = None) -> None:
             f"no environment for {unnamed} (versions name the rows): run analyses/peers/setup.sh NAME"
         )
     torch.set_num_threads(args.threads)
-    out = args.out or ROOT / "bench" / "results" / "peers" / f"{args.model}-{args.length}"
+    run = f"{args.model}-{length_of(args)}" + (f"-{args.explain}" if args.explain else "")
+    out = args.out or ROOT / "bench" / "results" / "peers" / run
     # none of them changes a number
     ignored = ("peers", "ours", "threads", "out", "ablations", "results", "score_only", "judge_backwards")
-    settings = {k: v for k, v in vars(args).items() if k not in ignored}
+    settings = {k: v for k, v in vars(args).items() if k not in ignored and (k != "explain" or v)}
     settings |= {"clock": "process_time", "runner_args": RUNNER_ARGS}
     (out / "scores").mkdir(parents=True, exist_ok=True)
     (out / "judged").mkdir(exist_ok=True)
@@ -310,7 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     atomic_write(recorded, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
 
     model, tokenizer = probe.load_model(args.model)
-    samples = heldout_samples(model, tokenizer, args.tasks, args.samples, args.seed, args.length)
+    samples = heldout_samples(
+        model, tokenizer, args.tasks, args.samples, args.seed, args.length, args.explain
+    )
     exported = out / "samples.jsonl"
     if not exported.exists():
         exchange.export(samples, converted_folder(args.model), exported)
@@ -336,19 +344,21 @@ def main(argv: list[str] | None = None) -> None:
     saved = None
     if args.ablations:
         try:
-            saved = saved_passes(args.ablations, args.model, args.length, dtype="")  # the model's own
+            saved = saved_passes(args.ablations, args.model, length_of(args), dtype="")  # the model's own
         except InvalidValueError as error:
             parser.error(str(error))
         print(f"{len(saved)} saved passes of {saved['sample'].nunique()} samples from {args.ablations}")
     judged = dict.fromkeys(map(exchange.sample_key, samples))  # each sample's part, in the samples' order
+    judgement = faithfulness.Judgement(
+        ks=KS, n_masks=args.masks, seed=args.seed, ceiling_masks=args.ceiling_masks
+    )
     for sample in reversed(samples) if args.judge_backwards else samples:
         key = exchange.sample_key(sample)
         known = [] if saved is None else [faithfulness.Ablations.from_frame(saved, sample)]
         unit = functools.partial(forward_seconds, model, sample, time.process_time, logits_to_keep=0)
         judged[key] = exchange.judge_part(
-            out / "judged" / f"{key}.csv", model, sample, methods, unit, args.ceiling_masks,
-            n_masks=args.masks, seed=args.seed, ks=KS, known=known,
-        )  # fmt: skip
+            out / "judged" / f"{key}.csv", model, sample, methods, unit, judgement, known
+        )
     sources = {name: source for name, (_, source) in files.items()} | {"additive_ceiling": "reference"}
     table = pd.concat([part for part in judged.values() if part is not None], ignore_index=True)
     table = table[table.scorer.isin(sources)]  # the methods this run names, though a part holds more
@@ -359,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     atomic_write(out / "summary.csv", lambda tmp: found.to_csv(tmp, index=False))
     failed = pd.DataFrame(failures, columns=["method", "sample", "error"])
     atomic_write(out / "failures.csv", lambda tmp: failed.to_csv(tmp, index=False))
-    title = f"{args.model}, {args.length} tokens, {len(samples)} samples ({', '.join(args.tasks)})"
+    title = f"{args.model}, {length_of(args)} tokens, {len(samples)} samples ({', '.join(args.tasks)})"
     fig = plot(found, title)
     atomic_write(out / "lds_vs_cost.png", lambda tmp: fig.savefig(tmp, dpi=150, bbox_inches="tight"))
     print(found.round(3).to_string(index=False))

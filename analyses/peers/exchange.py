@@ -16,6 +16,7 @@ as longprobe's own detectors (:func:`probe.faithfulness.evaluate`, with the addi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -105,17 +106,18 @@ def judge(
     model,
     samples: Sequence[Sample],
     methods: Mapping[str, Mapping[str, tuple[torch.Tensor, float]]],
-    ceiling_masks: int = 256,
-    **evaluate,
+    judgement: faithfulness.Judgement = faithfulness.Judgement(ceiling_masks=256),
+    known: Sequence[faithfulness.Ablations] = (),
 ) -> pd.DataFrame:
     """Every method's faithfulness on every sample, one row per (sample, method), with the additive
-    ceiling and each method's ``seconds``: ``methods`` maps a method's name to :func:`read_scores` (a
-    method that failed on a sample has no row for it)."""
+    ceiling (``judgement.ceiling_masks``) and each method's ``seconds``: ``methods`` maps a method's name
+    to :func:`read_scores` (a method that failed on a sample has no row for it). ``judgement`` and
+    ``known`` (passes already run) as :func:`probe.faithfulness.evaluate` takes them."""
     rows = []
     for sample in samples:
         key = sample_key(sample)
         scores = {name: found[key][0] for name, found in methods.items() if key in found}
-        frame = faithfulness.evaluate(model, sample, scores, ceiling_masks=ceiling_masks, **evaluate)
+        frame = faithfulness.evaluate(model, sample, scores, judgement, known=known)
         seconds = {name: found[key][1] for name, found in methods.items() if key in found}
         rows.append(frame.assign(sample=key, seconds=frame.scorer.map(seconds)))
     return pd.concat(rows, ignore_index=True)
@@ -127,8 +129,8 @@ def judge_part(
     sample: Sample,
     methods: Mapping[str, Mapping[str, tuple[torch.Tensor, float]]],
     unit: Callable[[], float],
-    ceiling_masks: int = 256,
-    **evaluate,
+    judgement: faithfulness.Judgement = faithfulness.Judgement(ceiling_masks=256),
+    known: Sequence[faithfulness.Ablations] = (),
 ) -> pd.DataFrame | None:
     """One sample's judged part (a CSV, one row a method, as :func:`judge` gives): every method of
     ``methods`` that scored ``sample`` and the part lacks is judged and added, and the part rewritten
@@ -136,7 +138,8 @@ def judge_part(
     judged is judged alone, against the part's own additive ceiling (``lds_share``). The cost unit,
     ``forward_seconds`` (the CPU seconds of one forward pass, ``unit()``), is timed in each call that
     judges something, on the machine whose seconds :func:`read_scores` kept (``forwards`` =
-    ``seconds`` over it), so a part judged on two machines holds two units."""
+    ``seconds`` over it), so a part judged on two machines holds two units. ``judgement`` and ``known``
+    as :func:`judge` takes them."""
     part = Path(part)
     judged = pd.read_csv(part) if part.exists() else None
     done = set() if judged is None else set(judged.scorer)
@@ -144,7 +147,9 @@ def judge_part(
     new = {name: found for name, found in methods.items() if key in found and name not in done}
     if not new:
         return judged
-    frame = judge(model, [sample], new, ceiling_masks if judged is None else 0, **evaluate)
+    if judged is not None:  # the part's own ceiling stands
+        judgement = dataclasses.replace(judgement, ceiling_masks=0)
+    frame = judge(model, [sample], new, judgement, known)
     frame["forward_seconds"] = unit()
     frame["forwards"] = frame.seconds / frame.forward_seconds
     if judged is not None:

@@ -17,6 +17,7 @@ from probe.detectors.run import detect, detect_many
 from probe.errors import InvalidValueError
 from probe.faithfulness import (
     AnswerScores,
+    Passes,
     answer_scores,
     lds,
     leave_one_out_drops,
@@ -93,7 +94,7 @@ def leave_one_out(
         "refine": refine,
         "compact": compact,
     }
-    how = {"reuse_prefix": reuse_prefix, "compact": compact, "target": target}
+    how = Passes(reuse_prefix=reuse_prefix, compact=compact, target=target)
     if top_m is not None:
         if ranking is None:
             ranking = torch.stack([ranker_scores(name, model, tokenizer, sample, target) for name in rankers])
@@ -104,7 +105,7 @@ def leave_one_out(
                 f"rank_by detectors, got shape {tuple(ranking.shape)}"
             )
         chosen = pruned_sources(rankings, top_m)
-        drops, (removed, ran) = leave_one_out_drops(model, sample, chosen, **how)
+        drops, (removed, ran) = leave_one_out_drops(model, sample, chosen, how)
         effect = pruned_estimate(rankings[0], chosen, drops)
         measured = torch.zeros(n_sources, dtype=torch.bool)
         measured[chosen] = True
@@ -113,18 +114,18 @@ def leave_one_out(
         blocks = torch.zeros(len(starts), n_sources, dtype=torch.bool)
         for row, first in enumerate(starts.tolist()):
             blocks[row, first : first + block] = True
-        block_drops, coarse = removal_drops(model, sample, blocks, **how)
+        block_drops, coarse = removal_drops(model, sample, blocks, how)
         refined = torch.argsort(-block_drops, stable=True)[:refine]
         chosen = blocks[refined].any(0).nonzero()[:, 0]
         single = single_removals(chosen, n_sources)
-        fine = answer_scores(model, sample, single, **how)
+        fine = answer_scores(model, sample, single, how)
         effect = (blocks.float() * (block_drops / blocks.sum(1))[:, None]).sum(0)
         effect[chosen] = coarse.scores.logprob[0] - fine.logprob
         measured = blocks[refined].any(0)
         removed = torch.cat([coarse.removed, single])
         ran = AnswerScores(*(torch.cat(pair) for pair in zip(coarse.scores, fine, strict=True)))
     else:
-        effect, (removed, ran) = leave_one_out_drops(model, sample, range(n_sources), **how)
+        effect, (removed, ran) = leave_one_out_drops(model, sample, range(n_sources), how)
         measured = torch.ones(n_sources, dtype=torch.bool)
     return removal_detection(sample, effect, measured, settings, removed, ran, passes=len(removed))
 
@@ -245,7 +246,7 @@ def context_cite(
         raise InvalidValueError(f"n_masks={n_masks} leaves under 2 masks to fit beside holdout={holdout}")
     n_sources = len(sample.sources)
     kept = random_masks(n_sources, n_masks, keep, seed)
-    logprob = answer_scores(model, sample, ~kept, compact=compact, target=target).logprob
+    logprob = answer_scores(model, sample, ~kept, Passes(compact=compact, target=target)).logprob
     n_fit = n_masks - max(1, round(holdout * n_masks))
     weights, predict = lasso_surrogate(kept[:n_fit], logprob[:n_fit], alpha)
     predicted = predict(kept[n_fit:])
@@ -309,17 +310,17 @@ def leave_few_out(
             raise InvalidValueError(f"{name} must be a positive number of sources, got {value!r}")
     settings = {"measure": measure, "rank_by": list(rankers), "check": check, "reuse_prefix": reuse_prefix,
                 "compact": compact}  # fmt: skip
-    how = {"reuse_prefix": reuse_prefix, "compact": compact, "target": target}
+    how = Passes(reuse_prefix=reuse_prefix, compact=compact, target=target)
     explained = {name: {"target": target} for name in rankers if "target" in options(name)}
     found = detect_many(rankers, model, tokenizer, sample, explained)
     rankings = torch.stack([found[name].source_scores(sample) for name in rankers])
     chosen = pruned_sources(rankings, measure)
-    drops, (removed, ran) = leave_one_out_drops(model, sample, chosen, **how)
+    drops, (removed, ran) = leave_one_out_drops(model, sample, chosen, how)
     effect = pruned_estimate(rankings[0], chosen, drops)
     head = torch.argsort(-effect, stable=True)[: min(check, len(effect))]
     together = torch.zeros(1, len(effect), dtype=torch.bool)
     together[0, head] = True
-    joint = answer_scores(model, sample, together, **how)
+    joint = answer_scores(model, sample, together, how)
     measured = torch.zeros(len(effect), dtype=torch.bool)
     measured[chosen] = True
     return removal_detection(

@@ -25,6 +25,7 @@ import copy
 import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -42,15 +43,16 @@ from probe.faithfulness.compaction import (
     removed_positions,
 )
 from probe.faithfulness.masks import (
-    KS,
+    KS,  # noqa: F401 (faithfulness.KS: the default ks)
     additive_ceiling,
     additive_ceiling_masks,
     lds,
     random_masks,
     top_k_masks,
 )
+from probe.faithfulness.settings import Judgement, Passes
 from probe.journal import mask_bits
-from probe.target import CHECKED, Target, target_value, vocabulary_size
+from probe.target import CHECKED, target_value, vocabulary_size
 from probe.tasks import Sample, Source
 
 REDUCTIONS = ("sum", "mean", "max")
@@ -166,13 +168,11 @@ def answer_scores(
     model,
     sample: Sample,
     removed: torch.Tensor,
-    reuse_prefix: bool = True,
-    batch_size: int = 1,
-    compact: bool | None = None,
-    target: Target | None = None,
+    how: Passes = Passes(),
 ) -> AnswerScores:
-    """The gold answer's log-probability (``target``: another number about it, see
-    :mod:`probe.target`) with the sources flagged in ``removed`` removed.
+    """The gold answer's log-probability (``how.target``: another number about it, see
+    :mod:`probe.target`) with the sources flagged in ``removed`` removed; ``how`` (:class:`Passes`): how
+    the passes run.
 
     ``removed``: BoolTensor[masks, sources] (True = removed), over ``sample.sources``, which must lie
     before the answer. With ``reuse_prefix`` the unmasked prefix is run once, in order of each pass's
@@ -198,6 +198,7 @@ def answer_scores(
             f"removed must be a BoolTensor[masks, {len(sources)}] over the sample's sources, "
             f"got shape {tuple(removed.shape)}"
         )
+    reuse_prefix, batch_size, compact, target = how.reuse_prefix, how.batch_size, how.compact, how.target
     if batch_size < 1:
         raise InvalidValueError(f"batch_size must be at least 1, got {batch_size}")
     inner = hf_model(model)
@@ -248,22 +249,24 @@ def single_removals(chosen: Sequence[int] | torch.Tensor, n_sources: int) -> tor
     return torch.eye(n_sources, dtype=torch.bool)[torch.as_tensor(chosen, dtype=torch.long)]
 
 
-def removal_drops(model, sample: Sample, removed: torch.Tensor, **how) -> tuple[torch.Tensor, Ablations]:
+def removal_drops(
+    model, sample: Sample, removed: torch.Tensor, how: Passes = Passes()
+) -> tuple[torch.Tensor, Ablations]:
     """The drop ``lp(full) − lp(without)`` of the gold answer's log-probability (or ``target``'s
     number) when the sources of each row of ``removed`` BoolTensor[groups, sources] are removed
     together, Tensor[groups]; and the passes that measured it (:class:`Ablations`, row 0 the full
     context, row 1 + g without group g). One :func:`answer_scores` call; ``how``: its options."""
     rows = torch.cat([torch.zeros(1, removed.shape[1], dtype=torch.bool), removed])
-    ran = answer_scores(model, sample, rows, **how)
+    ran = answer_scores(model, sample, rows, how)
     return ran.logprob[0] - ran.logprob[1:], Ablations(rows, ran)
 
 
 def leave_one_out_drops(
-    model, sample: Sample, chosen: Sequence[int] | torch.Tensor, **how
+    model, sample: Sample, chosen: Sequence[int] | torch.Tensor, how: Passes = Passes()
 ) -> tuple[torch.Tensor, Ablations]:
     """Leave-one-out on the ``chosen`` sources (indices, m of them): :func:`removal_drops` of each
     alone, Tensor[m], and its passes (row 1 + i without ``chosen[i]``)."""
-    return removal_drops(model, sample, single_removals(chosen, len(sample.sources)), **how)
+    return removal_drops(model, sample, single_removals(chosen, len(sample.sources)), how)
 
 
 def _known_or_run(
@@ -312,66 +315,43 @@ def evaluate(
     model,
     sample: Sample,
     scores: Mapping[str, torch.Tensor],
-    ks: Sequence[int] = KS,
-    n_masks: int = 32,
-    keep: float = 0.5,
-    seed: int = 0,
-    reuse_prefix: bool = True,
-    batch_size: int = 1,
-    compact: bool | None = None,
-    target: Target | None = None,
+    judgement: Judgement = Judgement(),
+    how: Passes = Passes(),
     known: Sequence[Ablations] = (),
-    ceiling_masks: int = 0,
     record: list[Ablations] | None = None,
 ) -> pd.DataFrame:
     """Faithfulness of several source scorings of one sample, one row per scorer.
 
     ``scores``: name → Tensor[sources] (see :func:`source_scores`). Every scorer is judged on the
-    same ablations: removing / keeping its top-k sources for k in ``ks`` and ``n_masks`` random
-    masks (each source kept with probability ``keep``, seeded) for LDS. Identical masks run once, as
-    :func:`answer_scores` runs them (``compact``, ``reuse_prefix``, ``batch_size``, ``target``); masks
+    same ablations (:class:`Judgement`): removing / keeping its top-k sources for k in ``judgement.ks``
+    and ``judgement.n_masks`` random masks (each source kept with probability ``keep``, seeded) for LDS.
+    Identical masks run once, as :func:`answer_scores` runs them (``how``: :class:`Passes`); masks
     in ``known`` (passes already run with the same model, ablation and target, e.g. a ``leave_one_out``
     detection's, :meth:`Ablations.of`, or a saved study's, :meth:`Ablations.from_frame`) are not run
     again; the passes that do run are appended to ``record`` (a list) when one is given.
 
-    ``ceiling_masks`` > 0 adds the reference scorer ``additive_ceiling``: :func:`additive_ceiling` fit
-    on that many further random masks (seeded apart; none of them an LDS mask), judged like every
+    ``judgement.ceiling_masks`` > 0 adds the reference scorer ``additive_ceiling``: :func:`additive_ceiling`
+    fit on that many further random masks (seeded apart; none of them an LDS mask), judged like every
     scorer; each row's ``lds_share`` is then its LDS over the ceiling's.
     Columns: ``scorer``, ``full_logprob``, ``full_correct``, ``comprehensiveness_k{k}``,
     ``sufficiency_k{k}``, ``correct_removed_k{k}``, ``correct_kept_k{k}``, ``aopc_comprehensiveness``,
     ``aopc_sufficiency``, ``lds``, ``n_sources`` (and ``lds_share`` with a ceiling).
     """
-    n_sources = len(sample.sources)
-    ks = list(ks)
-    if not ks or any(isinstance(k, bool) or int(k) != k or k < 1 for k in ks):
-        raise InvalidValueError(f"ks must be a non-empty list of positive integers, got {ks}")
-    if isinstance(n_masks, bool) or int(n_masks) != n_masks or n_masks < 2:
-        raise InvalidValueError(
-            f"n_masks must be an integer >= 2 (LDS is a rank correlation over masks), got {n_masks}"
-        )
-    if isinstance(ceiling_masks, bool) or int(ceiling_masks) != ceiling_masks or ceiling_masks < 0:
-        raise InvalidValueError(f"ceiling_masks must be a non-negative integer, got {ceiling_masks}")
+    n_sources, ks, ceiling_masks = len(sample.sources), judgement.ks, judgement.ceiling_masks
     if record is not None and not isinstance(record, list):
         raise InvalidValueError(
             f"record must be a list (the passes run are appended to it), got {type(record).__name__}"
         )
-    kept_random = random_masks(n_sources, n_masks, keep, seed)
-    fit = additive_ceiling_masks(kept_random, ceiling_masks, keep, seed)
+    kept_random = random_masks(n_sources, judgement.n_masks, judgement.keep, judgement.seed)
+    fit = additive_ceiling_masks(kept_random, ceiling_masks, judgement.keep, judgement.seed)
     if ceiling_masks and len(fit) < 2:
         raise InvalidValueError(
             f"the additive ceiling is a fit on several masks: ceiling_masks={ceiling_masks} leaves "
             f"{len(fit)} mask(s) apart from the LDS masks; give 0 (no ceiling) or more (the studies use 256)"
         )
-    compact = compaction_supported(model) if compact is None else compact
-    run = functools.partial(
-        answer_scores,
-        model,
-        sample,
-        reuse_prefix=reuse_prefix,
-        batch_size=batch_size,
-        compact=compact,
-        target=target,
-    )
+    if how.compact is None:
+        how = replace(how, compact=compaction_supported(model))
+    run = functools.partial(answer_scores, model, sample, how=how)
     if ceiling_masks:
         ceiling = additive_ceiling(fit, _known_or_run(~fit, known, run, record).logprob)
         scores = {**scores, "additive_ceiling": ceiling}
@@ -419,11 +399,11 @@ def evaluate(
     frame.attrs = dict(
         ceiling_masks=ceiling_masks,
         ks=list(ks),
-        n_masks=n_masks,
-        keep=keep,
-        seed=seed,
-        reuse_prefix=reuse_prefix,
-        batch_size=batch_size,
-        ablation="compaction" if compact else "key_masking",
+        n_masks=judgement.n_masks,
+        keep=judgement.keep,
+        seed=judgement.seed,
+        reuse_prefix=how.reuse_prefix,
+        batch_size=how.batch_size,
+        ablation="compaction" if how.compact else "key_masking",
     )
     return frame
