@@ -1,10 +1,11 @@
 """Does integrating the key-removal gradient along the path of every key bias from 0 to −depth track
 exact leave-one-out better than the gradient at 0? (``key_removal_gradient(depth=, steps=)``)
 
-SmolLM2-135M, multihop-1 and multihop-2 at 1K tokens, seeds 100 + ``--seeds``; per sample the LDS
-(16 random half masks) and AOPC of comprehensiveness (k = 1, 4) of: the gradient at 0 (``krg``), the
-path integral to depth 4 and 12 with 4 midpoint steps (``ig_d4_m4``, ``ig_d12_m4``), and exhaustive
-leave-one-out (``loo``). One thread; about 4 minutes a sample on the 2-core machine.
+SmolLM2-135M (``--model``), multihop-1 and multihop-2 at 1K tokens (``--length``), seeds 100 +
+``--seeds``; per sample the LDS (16 random half masks) and AOPC of comprehensiveness (k = 1, 4) of: the
+gradient at 0 (``krg``), the path integral to depth 4 and 12 with 4 midpoint steps (``ig_d4_m4``,
+``ig_d12_m4``), and exhaustive leave-one-out (``loo``). One thread; about 4 minutes a sample on the
+2-core machine.
 
     python -m analyses.key_removal_path --seeds 0 1 2 --csv bench/results/key_removal_path.csv
 """
@@ -31,16 +32,18 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--csv", type=Path, default=None)
     add_device_arguments(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    model, tokenizer = load("smollm2-135m", args.device, args.dtype)
+    model, tokenizer = load(args.model, args.device, args.dtype)
     rows = []
     for task in ("multihop-1", "multihop-2"):
         for seed in args.seeds:
-            sample = tasks.make(task, tokenizer, 1024, seed=100 + seed)
+            sample = tasks.make(task, tokenizer, args.length, seed=100 + seed)
             start = time.perf_counter()
             scores = {
                 name: faithfulness.source_scores(
