@@ -67,6 +67,14 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
+def story(tokenizer):
+    """A real 2-hop sample (SmolLM2 tokenizer) and a tiny random model over the same vocabulary (the
+    detector tests, tests/test_detectors.py and test_detector_dispatch.py)."""
+    model = probe.tiny_model("llama", vocab_size=len(tokenizer))
+    return model, probe.tasks.make("multihop-2", tokenizer, 256, seed=3)
+
+
+@pytest.fixture(scope="module")
 def sample(tokenizer):
     return probe.tasks.make("multihop-2", tokenizer, 300, seed=1)
 

@@ -8,25 +8,11 @@ import collections
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 import probe
-from probe import detectors, tasks
+from probe import detectors
 from probe.detectors import registry
-from probe.models import converted_folder
 from probe.probes.attribution import answer_attribution
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(converted_folder("smollm2-135m"))
-
-
-@pytest.fixture(scope="module")
-def story(tokenizer):
-    """A real 2-hop sample (SmolLM2 tokenizer) and a tiny random model over the same vocabulary."""
-    model = probe.tiny_model("llama", vocab_size=len(tokenizer))
-    return model, tasks.make("multihop-2", tokenizer, 256, seed=3)
 
 
 @pytest.fixture

@@ -14,25 +14,12 @@ from reference import eager_forward, embedding_grad_reference, information_flow_
 from transformers import AutoTokenizer
 
 import probe
-from probe import detectors, journal, metrics, tasks
+from probe import detectors, journal, metrics
 from probe.detectors import registry
-from probe.models import converted_folder
 from probe.tasks import Sample
 
 ATOL = 1e-5
 NEEDLE = 7  # the token id the planted model attends to
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(converted_folder("smollm2-135m"))
-
-
-@pytest.fixture(scope="module")
-def story(tokenizer):
-    """A real 2-hop sample (SmolLM2 tokenizer) and a tiny random model over the same vocabulary."""
-    model = probe.tiny_model("llama", vocab_size=len(tokenizer))
-    return model, tasks.make("multihop-2", tokenizer, 256, seed=3)
 
 
 def hand_sample(seq=48, needle=(12, 15), question=(36, 40), answer=(44, 46)) -> Sample:
