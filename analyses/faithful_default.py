@@ -20,6 +20,8 @@ Only development seeds: no sample of the held-out study (seeds 5000–5005), the
 
     python -m analyses.faithful_default --model smollm2-135m --seeds 7000 7001 7002 \
         --out figures/studies/faithful_default_dev
+    python -m analyses.faithful_default --model smollm2-135m --rescore \
+        --out figures/studies/faithful_default_dev    # candidates added later, from the saved arrays
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ def candidates(about: dict, measured: dict) -> list[dict]:
         cost = sum(passes.values()) + (len(chosen) + 1) * measured["removal"]
         found = top in chosen.tolist() and int(torch.argmax(scores)) == top
         rows.append(row(f"{'+'.join(rankers)} top {budget}", "+".join(rankers), budget, scores, found, cost))
+        for other in rankers[1:]:  # the same measured sources, the rest scored by another of the rankers
+            rest = pruned_estimate(measured["rankings"][other], chosen, drops[chosen])
+            found = top in chosen.tolist() and int(torch.argmax(rest)) == top
+            name = f"{'+'.join(rankers)} top {budget} rest {other}"
+            rows.append(row(name, "+".join(rankers), budget, rest, found, cost))
     return rows
 
 
@@ -117,28 +124,48 @@ def summary(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(records).sort_values(["model", "low"], ascending=[True, False])
 
 
+def rescored(done: pd.DataFrame, arrays: Path, model: str) -> pd.DataFrame:
+    """Every sample of ``done`` (one row per sample and candidate) scored again by :func:`candidates` from
+    its saved measurements (``arrays/MODEL-TASK-SEED.pt``): candidates added later get their rows."""
+    facts = list(done.columns[: done.columns.get_loc("scorer")])
+    rows = []
+    for _, first in done.drop_duplicates(["task", "seed"]).iterrows():
+        measured = torch.load(arrays / f"{model}-{first.task}-{first.seed}.pt")
+        rows += candidates(first[facts].to_dict(), measured)
+    return pd.DataFrame(rows).assign(model=model)
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=tasks.names())
-    parser.add_argument("--seeds", type=int, nargs="+", required=True, help="development seeds only")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[], help="development seeds only")
     parser.add_argument(
         "--length", type=int, default=1024, help="prompt tokens (hotpotqa: its natural length)"
     )
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--rescore", action="store_true",
+        help="score every candidate again from the saved arrays of the samples done (no model runs)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if not args.seeds and not args.rescore:
+        parser.error("--seeds: give the development seeds to run (or --rescore)")
     if set(args.seeds) & RESERVED_SEEDS:
         parser.error(
             "--seeds: the held-out study's (5000–5005), the HotpotQA study's (0–31) and the judged run's "
             "(7100–7105, 8000–8005; figures/studies/faithful_default_protocol.md) are not for development"
         )
-    model, tokenizer = load_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     table = args.out / f"{args.model}-{args.length}.csv"
     done = pd.read_csv(table) if table.exists() else pd.DataFrame(columns=["task", "seed"])
-    for task, seed in itertools.product(args.tasks, args.seeds):
+    if args.rescore:
+        done = rescored(done, args.out / "arrays", args.model)
+        atomic_write(table, lambda tmp, frame=done: frame.to_csv(tmp, index=False))
+    model, tokenizer = (None, None) if args.rescore else load_model(args.model)
+    for task, seed in itertools.product(args.tasks, [] if args.rescore else args.seeds):
         if ((done.task == task) & (done.seed == seed)).any():
             continue
         length = None if task in tasks.NATURAL_LENGTH else args.length

@@ -88,3 +88,26 @@ def test_development_refuses_the_seeds_of_the_studies_that_judge(seed, tmp_path,
     with pytest.raises(SystemExit):
         faithful_default.main(["--model", "no-such-model", "--seeds", "7000", seed, "--out", str(tmp_path)])
     assert "not for development" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_development_rescored_from_its_saved_arrays_gives_the_same_rows_and_the_added_candidates():
+    """``--rescore``: every committed development sample scored again from its saved measurements, no
+    model run: the candidates scored before keep their numbers; the candidates added since get rows."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    from analyses import faithful_default
+
+    folder = Path(__file__).resolve().parents[1] / "figures/studies/faithful_default_dev"
+    table = pd.read_csv(folder / "qwen2.5-coder-0.5b-1024.csv")
+    done = table[~table.scorer.str.contains(" rest ")]  # the table before the "rest" candidates
+    again = faithful_default.rescored(done, folder / "arrays", "qwen2.5-coder-0.5b")
+    keys = ["task", "seed", "scorer"]
+    both = done.merge(again, on=keys, suffixes=("", "_again"))
+    assert len(both) == len(done)
+    np.testing.assert_allclose(both.lds_again, both.lds, atol=1e-12)
+    assert (both.top_source_found_again == both.top_source_found).all()
+    added = again[~again.scorer.isin(done.scorer)]
+    assert added.scorer.str.contains(" rest ").all()
+    assert added[["task", "seed"]].drop_duplicates().shape[0] == 15
