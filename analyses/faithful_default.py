@@ -36,13 +36,15 @@ import torch
 
 from probe import detectors, faithfulness, load_model, stats, tasks
 from probe.atomic import atomic_write
-from probe.detectors.ablation import pruned_estimate, pruned_sources
+from probe.detectors.ablation import pruned_estimate, pruned_sources, weighted_rankings
 
 from .comparison import explained, forward_seconds
 
 TASKS = ("multihop-4", "kv", "document-2", "key-token", "hotpotqa")
 SHARED = ("key_removal_grad", "information_flow", "attention")
 OWN_PASS = ("key_removal_banzhaf", "attn_lrp")
+#: read off one pass in which every source weighs ½ (:func:`probe.detectors.ablation.weighted_rankings`)
+WEIGHTED = ("key_removal_grad@0.5", "information_flow@0.5")
 RANKER_SETS = (
     ("key_removal_grad",),
     ("key_removal_grad", "information_flow"),
@@ -50,6 +52,7 @@ RANKER_SETS = (
     ("key_removal_banzhaf", "information_flow"),
     ("key_removal_banzhaf", "attn_lrp"),
     ("key_removal_grad", "attn_lrp"),
+    WEIGHTED,
 )
 BUDGETS = (1, 2, 3, 4)
 MASKS = 32
@@ -68,16 +71,43 @@ def measure(model, tokenizer, task: str, seed: int, length: int | None) -> tuple
         start = time.perf_counter()
         found[name] = detectors.detect(name, model, tokenizer, sample)
         costs[name] = (time.perf_counter() - start) / unit
+    rankings = {name: detection.source_scores(sample) for name, detection in found.items()}
+    weighted, costs_weighted = measure_weighted(model, sample, unit)
     n = len(sample.sources)
     start = time.perf_counter()
     drops, _ = faithfulness.leave_one_out_drops(model, sample, range(n))
     removal = (time.perf_counter() - start) / unit / (n + 1)  # a removal pass, in forward passes
     kept = faithfulness.random_masks(n, MASKS, seed=seed)
     actual = faithfulness.answer_scores(model, sample, ~kept).logprob
-    rankings = {name: detection.source_scores(sample) for name, detection in found.items()}
     about = {"task": task, "seed": seed, "sources": n, "tokens": len(sample.input_ids), **answer}
-    return about, {"drops": drops, "kept": kept, "actual": actual, "rankings": rankings, "costs": costs,
-                   "removal": removal}  # fmt: skip
+    return about, {"drops": drops, "kept": kept, "actual": actual, "rankings": rankings | weighted,
+                   "costs": costs | costs_weighted, "removal": removal}  # fmt: skip
+
+
+def measure_weighted(model, sample, unit: float) -> tuple[dict, dict]:
+    """(the :data:`WEIGHTED` rankings, their cost in forward passes): one pass at presence ½."""
+    start = time.perf_counter()
+    rankings, slope = weighted_rankings(model, sample, [name.split("@")[0] for name in WEIGHTED], 0.5)
+    cost = (time.perf_counter() - start) / unit
+    return dict(zip(WEIGHTED, [slope, rankings[1]], strict=True)), dict.fromkeys(WEIGHTED, cost)
+
+
+def completed(
+    model, tokenizer, arrays: Path, model_name: str, task: str, seed: int, length: int | None
+) -> None:
+    """Add the :data:`WEIGHTED` rankings to a sample's saved measurements that lack them (rankings added
+    after it ran): its sample made again, its own answer generated again, one pass."""
+    path = arrays / f"{model_name}-{task}-{seed}.pt"
+    measured = torch.load(path)
+    if set(WEIGHTED) <= set(measured["rankings"]):
+        return
+    sample, _ = explained(model, tokenizer, tasks.make(task, tokenizer, length, seed, model=model), None)
+    if len(sample.sources) != len(measured["drops"]):
+        raise RuntimeError(f"{path.name}: the sample made again has other sources than the one measured")
+    weighted, costs = measure_weighted(model, sample, forward_seconds(model, sample))
+    measured["rankings"] |= weighted
+    measured["costs"] |= costs
+    atomic_write(path, lambda tmp: torch.save(measured, tmp))
 
 
 def candidates(about: dict, measured: dict) -> list[dict]:
@@ -94,11 +124,12 @@ def candidates(about: dict, measured: dict) -> list[dict]:
     rows = [row("leave_one_out", "", len(drops), drops, True, len(drops) * measured["removal"])]
     for name, ranking in measured["rankings"].items():
         rows.append(row(name, name, 0, ranking, int(torch.argmax(ranking)) == top, measured["costs"][name]))
-    for rankers, budget in itertools.product(RANKER_SETS, BUDGETS):
+    sets = [rankers for rankers in RANKER_SETS if set(rankers) <= set(measured["rankings"])]
+    for rankers, budget in itertools.product(sets, BUDGETS):
         ranking = torch.stack([measured["rankings"][name] for name in rankers])
         chosen = pruned_sources(ranking, budget)
         scores = pruned_estimate(ranking[0], chosen, drops[chosen])
-        passes = {"shared" if name in SHARED else name: measured["costs"][name] for name in rankers}
+        passes = {pass_of(name): measured["costs"][name] for name in rankers}
         cost = sum(passes.values()) + (len(chosen) + 1) * measured["removal"]
         found = top in chosen.tolist() and int(torch.argmax(scores)) == top
         rows.append(row(f"{'+'.join(rankers)} top {budget}", "+".join(rankers), budget, scores, found, cost))
@@ -107,7 +138,21 @@ def candidates(about: dict, measured: dict) -> list[dict]:
             found = top in chosen.tolist() and int(torch.argmax(rest)) == top
             name = f"{'+'.join(rankers)} top {budget} rest {other}"
             rows.append(row(name, "+".join(rankers), budget, rest, found, cost))
+        if (
+            rankers == WEIGHTED
+        ):  # the rest as the key-removal gradient gives it: leave_few_out(measure=budget)
+            scores = measured["rankings"][rankers[0]].clone()
+            scores[chosen] = drops[chosen]
+            found = top in chosen.tolist() and int(torch.argmax(scores)) == top
+            rows.append(
+                row(f"leave_few_out measure {budget}", "+".join(rankers), budget, scores, found, cost)
+            )
     return rows
+
+
+def pass_of(name: str) -> str:
+    """The pass a ranking is read off: the shared pass, the weighted one, or its detector's own."""
+    return "shared" if name in SHARED else "weighted" if name in WEIGHTED else name
 
 
 def summary(rows: pd.DataFrame) -> pd.DataFrame:
@@ -150,7 +195,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         "--rescore", action="store_true",
         help="score every candidate again from the saved arrays of the samples done (no model runs)",
     )  # fmt: skip
+    parser.add_argument(
+        "--complete", action="store_true",
+        help="add the rankings added since (the weighted pass) to the saved arrays, then --rescore",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    args.rescore = args.rescore or args.complete
     if not args.seeds and not args.rescore:
         parser.error("--seeds: give the development seeds to run (or --rescore)")
     if set(args.seeds) & RESERVED_SEEDS:
@@ -161,6 +211,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     args.out.mkdir(parents=True, exist_ok=True)
     table = args.out / f"{args.model}-{args.length}.csv"
     done = pd.read_csv(table) if table.exists() else pd.DataFrame(columns=["task", "seed"])
+    if args.complete:
+        model, tokenizer = load_model(args.model)
+        for task, seed in done[["task", "seed"]].drop_duplicates().itertuples(index=False):
+            length = None if task in tasks.NATURAL_LENGTH else args.length
+            completed(model, tokenizer, args.out / "arrays", args.model, task, int(seed), length)
+            print(f"{task} {seed}: completed", flush=True)
     if args.rescore:
         done = rescored(done, args.out / "arrays", args.model)
         atomic_write(table, lambda tmp, frame=done: frame.to_csv(tmp, index=False))

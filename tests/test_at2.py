@@ -59,6 +59,21 @@ def test_at2_detector_is_its_formula_and_weights_check_the_model(tmp_path, tiny)
             probe.detect("at2", tiny, None, sample)
 
 
+def test_the_bundled_head_weights_are_found_for_the_model_they_were_learned_on():
+    """Each file shipped in ``probe/data/head_weights`` is what ``at2`` finds, with no ``weights=``, for a
+    model of its fingerprint (a tiny Llama of those shapes: no download)."""
+    files = sorted(at2.BUNDLED.glob("*.json"))
+    assert {path.stem for path in files} >= {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"}
+    smollm2 = at2.HeadWeights.load(at2.BUNDLED / "smollm2-135m.json")
+    shape = smollm2.settings["model"]
+    model = probe.tiny_model(
+        "llama", num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=3,
+        hidden_size=shape["hidden_size"], intermediate_size=64, vocab_size=shape["vocab_size"],
+    )  # fmt: skip
+    assert at2.fingerprint(model) == shape
+    assert torch.equal(at2.HeadWeights.for_model(model).weights, smollm2.weights)
+
+
 def _sample(ids: torch.Tensor):
     """A hand-made Sample over random ids: four sources, a question and a two-token answer."""
     from probe.tasks.sample import Sample

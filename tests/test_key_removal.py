@@ -92,6 +92,40 @@ def test_key_removal_gradient_at_partial_presence_equals_eager_autograd(tiny, id
             key_removal_gradient(tiny, ids, TARGETS, **{"presence": 0.5} | options)
 
 
+def test_the_shared_pass_at_partial_presence_reads_the_weighted_context(tiny, ids):
+    """``answer_attribution(sources=, presence=½)``: its key-bias gradient is the eager one at b = log ½
+    on the source tokens, and its attention rows are eager attention's under those biased masks (one pass
+    reads the weighted context throughout); refused without the key bias or for several sequences."""
+    start = torch.zeros(SEQ)
+    for first, end in SPANS:
+        start[first:end] = torch.tensor(0.5).log()
+    one = probe.answer_attribution(tiny, ids, TARGETS, key_bias=True, sources=SPANS, presence=0.5)
+    expected = eager_key_removal_gradient(tiny, ids, TARGETS, bias=start, spans=SPANS)
+    assert (one.key_removal_gradient() - expected).abs().max() <= 1e-6
+    later = torch.ones(SEQ, SEQ).tril(-1)
+    for first, end in SPANS:
+        later[first:end, first:end] = 0
+    masks = {kind: mask + start * later for kind, mask in explicit_masks(tiny, SEQ).items()}
+    original = tiny.config._attn_implementation
+    tiny.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            mask = masks if len(masks) > 1 else next(iter(masks.values()))
+            eager = tiny(input_ids=ids, attention_mask=mask, output_attentions=True, use_cache=False)
+    finally:
+        tiny.set_attn_implementation(original)
+    rows = torch.stack([layer[0][:, TARGETS - 1] for layer in eager.attentions])  # [layers, heads, rows, seq]
+    assert (one.pattern - rows).abs().max() <= 1e-6
+    whole = probe.answer_attribution(tiny, ids, TARGETS, key_bias=True, sources=SPANS)
+    assert (one.pattern - whole.pattern).abs().max() > 1e-3  # the weights moved the attention
+    with pytest.raises(ValueError, match="key_bias=True"):
+        probe.answer_attribution(tiny, ids, TARGETS, sources=SPANS, presence=0.5)
+    with pytest.raises(ValueError, match="one sequence"):
+        probe.answer_attribution(tiny, [ids[0], ids[0]], [TARGETS, TARGETS], key_bias=True, sources=SPANS)
+    with pytest.raises(ValueError, match="sources"):
+        probe.answer_attribution(tiny, ids, TARGETS, key_bias=True, presence=0.5)
+
+
 @pytest.mark.parametrize("compact", [True, False])
 def test_key_removal_gradient_after_removing_tokens_equals_eager_autograd(tiny, ids, compact, monkeypatch):
     """``kept=``: the gradient in what is left once spans 0 and 2 are gone, run compacted at original

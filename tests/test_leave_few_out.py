@@ -1,7 +1,8 @@
 """``leave_few_out``: the few sources it measures against an independent key-masked removal (an eager pass
-with the keys hidden by hand), the rest against the first ranker's scores and the least-squares scale,
-its choice against a brute-force loop over the rankers' tops, and its certificate in the detection, its
-frame, its view and its saved file. Tiny Llama and Gemma 3 (``model``, ``sample``: tests/conftest.py)."""
+with the keys hidden by hand), the rest against the key-removal gradient at presence ½, its choice against
+a brute-force loop over the rankers' tops (each ranker computed on its own), its certificate in the
+detection, its frame, its view and its saved file. Tiny Llama and Gemma 3 (``model``, ``sample``:
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,36 @@ from reference import COMPACT_ATOL, eager_answer_logprob
 
 import probe
 from probe import detectors, faithfulness
+from probe.attention.modifiers import bias_keys
+from probe.probes.attribution import information_flow
+from probe.probes.key_removal import key_removal_gradient, removal_units
 
 
 def hidden_tokens(sample, chosen) -> list[int]:
     return [t for i in chosen for t in range(sample.sources[i].start, sample.sources[i].end)]
 
 
+def weighted_by_hand(model, sample) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """([the key-removal gradient summed over each source, information flow averaged over it], the
+    key-removal gradient by source), each from its own pass at presence ½: the gradient from
+    ``key_removal_gradient`` (tested against eager autograd), the flow from ``information_flow`` under a
+    hand-set key bias of log ½ on the sources."""
+    spans = [(source.start, source.end) for source in sample.sources]
+    ids, targets = sample.input_ids, sample.target_positions
+    tokens = key_removal_gradient(model, ids, targets, sources=spans, presence=0.5)
+    units = removal_units(spans, len(ids))
+    start = torch.where(units >= len(ids), torch.tensor(0.5).log(), 0.0)
+    with bias_keys(model, start[None], units):
+        flow = information_flow(model, ids, targets).sum(0)
+    slope = torch.stack([tokens[s.start : s.end].sum() for s in sample.sources])
+    return [slope, torch.stack([flow[s.start : s.end].mean() for s in sample.sources])], slope
+
+
 @pytest.mark.parametrize("measure", [1, 3])
 def test_measured_drops_and_the_head_check_equal_key_masked_removals(model, sample, measure):
     found = probe.detect("leave_few_out", model, None, sample, measure=measure, check=2)
     details = found.details
-    rankers = details["estimated_by"], "information_flow"
-    rankings = [probe.detect(name, model, None, sample).source_scores(sample) for name in rankers]
+    rankings, slope = weighted_by_hand(model, sample)
     chosen = []
     for ranking in rankings:  # the union of each ranker's top `measure`, ties to the earlier source
         order = sorted(range(len(ranking)), key=lambda i: (-float(ranking[i]), i))
@@ -43,14 +62,11 @@ def test_measured_drops_and_the_head_check_equal_key_masked_removals(model, samp
     assert details["head_drop"] == pytest.approx(joint, abs=COMPACT_ATOL)
     assert details["head_sum"] == pytest.approx(float(scores[head].sum()))
     rest = [i for i in range(len(scores)) if i not in chosen]
-    first = rankings[0].double().numpy()
-    if len(chosen) > 1:
-        (scale,), *_ = np.linalg.lstsq(first[chosen, None], scores.double().numpy()[chosen], rcond=None)
-    else:
-        scale = 0.0
-    assert details["scale"] == pytest.approx(scale, rel=1e-4, abs=1e-7)
-    np.testing.assert_allclose(scores.double().numpy()[rest], scale * first[rest], rtol=1e-4, atol=1e-7)
-    assert details["passes"] == 1 + len(chosen) + 2  # the shared pass, the removals, full and head
+    np.testing.assert_allclose(
+        scores.double().numpy()[rest], slope.double().numpy()[rest], rtol=1e-4, atol=1e-6
+    )
+    assert details["scale"] == 1.0 and "presence 0.5" in details["estimated_by"]
+    assert details["passes"] == 1 + len(chosen) + 2  # the weighted pass, the removals, full and head
     assert torch.equal(found.scores[sample.sources[head[0]].start], scores[head[0]])
 
 
@@ -61,7 +77,11 @@ def test_the_certificate_is_in_the_frame_the_view_and_the_saved_file(model, samp
     measured = found.details["measured"].nonzero().flatten().tolist()
     text = found.certificate()
     assert f"measured exactly: {len(measured)} of {len(sample.sources)} sources" in text
-    assert f"#{measured[0]} " in text and "removed together lose" in text and "key_removal_grad ×" in text
+    assert (
+        f"#{measured[0]} " in text
+        and "removed together lose" in text
+        and "key-removal gradient at presence 0.5" in text
+    )
     assert html.escape(text) in found._view(sample)
     found.save(tmp_path / "found.json")
     assert detectors.Detection.load(tmp_path / "found.json").certificate() == text

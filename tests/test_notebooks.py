@@ -10,45 +10,77 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL = "<tiny model folder>"  # replaced by the `tiny_model_folder` fixture's path
 TINY_SETTINGS = {
     "at2.ipynb": {
-        "MODEL": TINY_MODEL, "LENGTH": 256, "TRAIN_SAMPLES": 1, "MASKS": 8, "TASKS": ["multihop-4"],
+        "MODEL": TINY_MODEL,
+        "LENGTH": 256,
+        "TRAIN_SAMPLES": 1,
+        "MASKS": 8,
+        "TASKS": ["multihop-4"],
         "STUDIES": None,  # no bundled head weights: learn them and run a small study
     },  # fmt: skip
     "claims.ipynb": {"KEYS": ["nope_first", "decay_last", "retrieval_heads", "cdt_scale"]},
     "context_cite.ipynb": {
-        "MODEL": TINY_MODEL, "LENGTH": 256, "STUDY": None, "MASKS": 8, "TASKS": ["multihop-4"],
+        "MODEL": TINY_MODEL,
+        "LENGTH": 256,
+        "STUDY": None,
+        "MASKS": 8,
+        "TASKS": ["multihop-4"],
         "ALPHA": 1e-5,  # removals move the tiny model's log P by ~0.01 nats: a LASSO at 0.01 keeps no source
         "OURS": ["key_removal_banzhaf", "leave_one_out"],  # so its context_cite is constant, without an LDS
     },  # fmt: skip
     "cost_and_precision.ipynb": {
-        "MODEL": TINY_MODEL, "LENGTHS": [256], "OTHER": None, "LENGTH": 192, "MASKS": 8,
+        "MODEL": TINY_MODEL,
+        "LENGTHS": [256],
+        "OTHER": None,
+        "LENGTH": 192,
+        "MASKS": 8,
         "DETECTORS": ["attention", "key_removal_banzhaf", "leave_one_out", "context_cite"],  # at2: no weights
     },  # fmt: skip
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
     "faithful_default.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192},
     "hotpotqa.ipynb": {"MODEL": TINY_MODEL, "SEED": 7309, "MASKS": 4},  # 1,098 tokens: within 2K
     "key_removal.ipynb": {
-        "MODEL": TINY_MODEL, "LENGTH": 256, "MASKS": 8,
-        "SATURATION_MODEL": TINY_MODEL, "SATURATION_LENGTH": 256,
-        "STUDY": None, "GAP_TASK": "multihop-4",  # 17 sources: room for 256 ceiling masks (kv has 2 at 256)
+        "MODEL": TINY_MODEL,
+        "LENGTH": 256,
+        "MASKS": 8,
+        "SATURATION_MODEL": TINY_MODEL,
+        "SATURATION_LENGTH": 256,
+        "STUDY": None,
+        "GAP_TASK": "multihop-4",  # 17 sources: room for 256 ceiling masks (kv has 2 at 256)
     },  # fmt: skip
     "layers.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256, "SPLIT_TASKS": ["document-2", "kv"]},  # no key token
     "learn_head_weights.ipynb": {
-        "MODEL": TINY_MODEL, "LENGTH": 192, "TRAIN_SAMPLES": 2, "HELDOUT_LENGTH": 160, "MASKS": 6,
+        "MODEL": TINY_MODEL,
+        "LENGTH": 192,
+        "TRAIN_SAMPLES": 2,
+        "HELDOUT_LENGTH": 160,
+        "MASKS": 6,
     },  # fmt: skip
     "longppl.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256, "K": 32, "D": 32},
     "noise_restraint.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192},
     "objectives.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 128, "TRAIN_SAMPLES": 2, "STEPS": 1},
     "position_bias.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 64, "STEPS": 30},
     "retrieval_heads.ipynb": {
-        "MODEL": TINY_MODEL, "LENGTHS": [160], "DEPTHS": [0.5], "ABLATION_SAMPLES": 1, "K": 2,
+        "MODEL": TINY_MODEL,
+        "LENGTHS": [160],
+        "DEPTHS": [0.5],
+        "ABLATION_SAMPLES": 1,
+        "K": 2,
     },  # fmt: skip
     "task_accuracy.ipynb": {
-        "MODEL": TINY_MODEL, "TASKS": ["passkey", "kv", "multihop-1", "document-1"], "LENGTHS": [256],
+        "MODEL": TINY_MODEL,
+        "TASKS": ["passkey", "kv", "multihop-1", "document-1"],
+        "LENGTHS": [256],
         "SAMPLES": 1,
     },  # fmt: skip
     "the_reference.ipynb": {
-        "EXHAUSTIVE": None, "MODEL": TINY_MODEL, "LENGTH": 256, "MASKS": 8, "TOP_M": [4, 8],
-        "SIZES": [32, 256], "COPIED_MODEL": TINY_MODEL, "COPIED_LENGTH": 256,
+        "EXHAUSTIVE": None,
+        "MODEL": TINY_MODEL,
+        "LENGTH": 256,
+        "MASKS": 8,
+        "TOP_M": [4, 8],
+        "SIZES": [32, 256],
+        "COPIED_MODEL": TINY_MODEL,
+        "COPIED_LENGTH": 256,
     },  # fmt: skip
     "your_own_text.ipynb": {"MODEL": TINY_MODEL, "DETECTOR": "attention", "ESSAY_TOKENS": 300, "MASKS": 4},
 }

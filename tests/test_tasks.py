@@ -37,9 +37,11 @@ def sample(task: str, name: str, seed: int = 0, depth=DEPTH, length: int = LENGT
 
 # key-token: tests/test_key_token.py; hotpotqa (real questions, no planted facts): tests/test_hotpotqa.py
 PLANTED = [task for task in tasks.names() if task not in ("key-token", "hotpotqa")]
-CASES = [(task, name, ()) for task in PLANTED for name in TOKENIZERS] + [
-    ("lines", name, (("lines", 5),)) for name in TOKENIZERS
-] + [("niah", "gemma3-270m", (("distractors", 3),)), ("passkey", "smollm2-135m", (("chat", False),))]
+CASES = (
+    [(task, name, ()) for task in PLANTED for name in TOKENIZERS]
+    + [("lines", name, (("lines", 5),)) for name in TOKENIZERS]
+    + [("niah", "gemma3-270m", (("distractors", 3),)), ("passkey", "smollm2-135m", (("chat", False),))]
+)
 
 
 @pytest.fixture(params=CASES, ids=lambda c: "-".join([c[0], c[1]] + [f"{k}={v}" for k, v in c[2]]))
@@ -240,9 +242,20 @@ def test_bad_input_raises_clear_errors():
 
 def test_names_lists_every_task():
     assert set(tasks.names()) == {
-        "multihop-1", "multihop-2", "multihop-3", "multihop-4",
-        "lines", "passkey", "niah", "multivalue-niah", "kv",
-        "document-1", "document-2", "document-3", "key-token", "hotpotqa",
+        "multihop-1",
+        "multihop-2",
+        "multihop-3",
+        "multihop-4",
+        "lines",
+        "passkey",
+        "niah",
+        "multivalue-niah",
+        "kv",
+        "document-1",
+        "document-2",
+        "document-3",
+        "key-token",
+        "hotpotqa",
     }
 
 

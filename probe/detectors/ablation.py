@@ -13,7 +13,7 @@ import torch
 
 from probe.checks import check_number
 from probe.detectors.registry import Detection, looked_up, options, register, shared_pass, spread_over_tokens
-from probe.detectors.run import detect, detect_many
+from probe.detectors.run import detect
 from probe.errors import InvalidValueError
 from probe.faithfulness import (
     AnswerScores,
@@ -25,6 +25,7 @@ from probe.faithfulness import (
     removal_drops,
     single_removals,
 )
+from probe.probes.attribution import answer_attribution
 from probe.target import Target
 from probe.tasks import Sample
 
@@ -277,46 +278,47 @@ def leave_few_out(
     sample: Sample,
     measure: int = 2,
     rank_by: str | Sequence[str] = ("key_removal_grad", "information_flow"),
+    presence: float = 0.5,
     check: int = 3,
     target: Target | None = None,
     reuse_prefix: bool = True,
     compact: bool | None = None,
+    checkpoint: bool | str = "auto",
 ) -> Detection:
-    """Leave-one-out where it matters: the sources each ``rank_by`` detector puts in its top ``measure``
-    are removed one by one and score their exact drops; every other source scores the first detector's
-    source score times the least-squares scale onto those drops (pruned leave-one-out, AttriBoT, Liu et
-    al. ICLR 2025); then the top ``check`` sources of the result are removed together, once, to check the
-    ranking's head.
+    """Leave-one-out where it matters, a first-order estimate elsewhere. One forward+backward pass at
+    ``presence`` (every source's keys weighted by it: :func:`weighted_rankings`) gives each source's
+    key-removal gradient there and the ``rank_by`` detectors' scores; the sources each of them puts in
+    its top ``measure`` are removed one by one and score their exact drops; every other source scores its
+    key-removal gradient as it is; then the top ``check`` sources of the result are removed together,
+    once, to check the ranking's head.
 
-    Why two rankers: a slope at the full context cannot see a step. Where the answer is copied from one
-    source, its log-probability is a step in that source's key bias, and the key-removal gradient reads
-    only the rows the model hesitates on, so it may rank the copied source low; information flow (CDT eq.
-    1) sees the copy in the attention, so the union of both tops holds it, and its exact removal scores
-    it. The default rankers share one forward+backward pass (:func:`~probe.detectors.detect_many`).
+    Why: at ``presence`` ½ the key-removal gradient is the mean-field estimate of a source's Banzhaf
+    value (its mean removal effect over random half contexts, what LDS rewards; ``key_removal_banzhaf``),
+    in log-probability units, so it needs no rescaling beside exact drops. A slope cannot see a step:
+    where the answer is copied from one source, its log-probability is a step in that source's key bias
+    and the slope may rank it low; information flow (CDT eq. 1) sees the copy in the attention, so the
+    union of both tops holds it and its exact removal scores it.
 
     The certificate, in ``details``: ``measured`` BoolTensor[sources] (removed one by one) and
     ``source_scores`` (their exact drops there), ``estimated_by`` and ``scale`` (how the rest were scored),
     ``head`` LongTensor[check] (the top sources), ``head_drop`` (the measured drop when they are removed
     together) beside ``head_sum`` (the sum of their scores): far apart, the head's sources overlap or
-    back each other up, and their individual scores do not add. Also ``passes`` (the rankers' pass and
+    back each other up, and their individual scores do not add. Also ``passes`` (the weighted pass and
     every masked pass, the full context included), ``full_logprob`` and every masked pass
-    (:meth:`probe.faithfulness.Ablations.of`). Options as :func:`leave_one_out`'s.
+    (:meth:`probe.faithfulness.Ablations.of`). Options as :func:`leave_one_out`'s; ``checkpoint`` as
+    :func:`~probe.probes.attribution.answer_attribution`'s.
     """
-    rankers = looked_up(rank_by)
-    if not rankers or {"leave_one_out", "leave_few_out"} & set(rankers):
-        raise InvalidValueError(f"rank_by must name one or more one-pass detectors, got {rank_by!r}")
     for name, value in (("measure", measure), ("check", check)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidValueError(f"{name} must be a positive number of sources, got {value!r}")
-    settings = {"measure": measure, "rank_by": list(rankers), "check": check, "reuse_prefix": reuse_prefix,
-                "compact": compact}  # fmt: skip
+    settings = {"measure": measure, "rank_by": looked_up(rank_by), "presence": presence, "check": check,
+                "reuse_prefix": reuse_prefix, "compact": compact}  # fmt: skip
+    rankings, slope = weighted_rankings(model, sample, rank_by, presence, target, checkpoint)
     how = Passes(reuse_prefix=reuse_prefix, compact=compact, target=target)
-    explained = {name: {"target": target} for name in rankers if "target" in options(name)}
-    found = detect_many(rankers, model, tokenizer, sample, explained)
-    rankings = torch.stack([found[name].source_scores(sample) for name in rankers])
     chosen = pruned_sources(rankings, measure)
     drops, (removed, ran) = leave_one_out_drops(model, sample, chosen, how)
-    effect = pruned_estimate(rankings[0], chosen, drops)
+    effect = slope.clone()
+    effect[chosen] = drops
     head = torch.argsort(-effect, stable=True)[: min(check, len(effect))]
     together = torch.zeros(1, len(effect), dtype=torch.bool)
     together[0, head] = True
@@ -330,15 +332,41 @@ def leave_few_out(
         settings,
         torch.cat([removed, together]),
         AnswerScores(*(torch.cat(pair) for pair in zip(ran, joint, strict=True))),
-        estimated_by=rankers[0],
-        scale=pruned_scale(rankings[0], chosen, drops),
+        estimated_by=f"key-removal gradient at presence {presence}",
+        scale=1.0,
         head=head,
         head_drop=float(ran.logprob[0] - joint.logprob[0]),
         head_sum=float(effect[head].sum()),
-        passes=len({registry_pass(name) for name in rankers}) + len(removed) + 1,
+        passes=1 + len(removed) + 1,
     )
 
 
-def registry_pass(name: str) -> str:
-    """Which pass detector ``name`` runs: ``"shared"`` for a reader of the shared pass, else its own."""
-    return "shared" if shared_pass(name) else name
+def weighted_rankings(
+    model,
+    sample: Sample,
+    rank_by: str | Sequence[str],
+    presence: float = 0.5,
+    target: Target | None = None,
+    checkpoint: bool | str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the ``rank_by`` detectors' source scores, Tensor[rankers, sources]; each source's key-removal
+    gradient, Tensor[sources]), all from one forward+backward pass
+    (:func:`~probe.probes.attribution.answer_attribution`) in which every source's keys weigh
+    ``presence`` (bias log ``presence``; sources removed as units). ``rank_by``: readers of the shared
+    pass that read gradients."""
+    rankers = looked_up(rank_by)
+    passes = [shared_pass(name) for name in rankers]
+    if not rankers or any(found is None or not found[0].backward for found in passes):
+        raise InvalidValueError(
+            f"rank_by must name detectors that read the shared forward+backward pass, got {rank_by!r}"
+        )
+    layers = sorted({layer for needs, read in passes for layer in needs.layers_of(model, read, {})})
+    spans = [(source.start, source.end) for source in sample.sources]
+    attribution = answer_attribution(
+        model, sample.input_ids, sample.target_positions, layers or [0], checkpoint, target=target,
+        key_bias=True, sources=spans, presence=presence,
+    )  # fmt: skip
+    rankings = torch.stack([read(model, attribution, sample).source_scores(sample) for _, read in passes])
+    gradient = attribution.key_removal_gradient().float().cpu()
+    slope = torch.stack([gradient[source.start : source.end].sum() for source in sample.sources])
+    return rankings, slope

@@ -61,7 +61,8 @@ class Detection:
         drops = ", ".join(f"#{i} {float(scores[i]):.2f}" for i in measured)
         parts = [f"measured exactly: {len(measured)} of {len(scores)} sources (drops in nats: {drops})"]
         if "estimated_by" in details and len(measured) < len(scores):
-            parts.append(f"the others: {details['estimated_by']} × {details['scale']:.3g}")
+            times = "" if details["scale"] == 1 else f" × {details['scale']:.3g}"
+            parts.append(f"the others: {details['estimated_by']}{times}")
         if "head_drop" in details:
             parts.append(
                 f"the top {len(details['head'])} removed together lose {details['head_drop']:.2f} nats, "

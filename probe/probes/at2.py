@@ -35,7 +35,7 @@ from probe.results import read_json, reading, write_json
 from probe.tasks import Sample
 
 FEATURES = ("attention", "saliency")
-BUNDLED = Path(__file__).parent / "data" / "head_weights"
+BUNDLED = Path(__file__).parents[1] / "data" / "head_weights"
 ALPHAS = tuple(10.0**e for e in range(-2, 5))
 
 

@@ -31,6 +31,7 @@ from probe.attention.shared_state import frozen_parameters
 from probe.checks import check_input_ids, check_integers, check_layers, hf_model, input_device
 from probe.errors import InvalidValueError
 from probe.memory.planner import guarded
+from probe.probes.key_removal import weighted_sources
 from probe.target import Target
 
 Ids = torch.Tensor | Sequence[int] | Sequence[torch.Tensor] | Sequence[Sequence[int]]
@@ -352,6 +353,8 @@ def answer_attribution(
     attention_mask: torch.Tensor | None = None,
     target: Target | None = None,
     key_bias: bool = False,
+    sources: Sequence[tuple[int, int]] | None = None,
+    presence: float = 1.0,
 ) -> AnswerAttribution | list[AnswerAttribution]:
     """Attention rows, their gradients and the input-embedding gradients from one pass.
 
@@ -368,14 +371,21 @@ def answer_attribution(
     :func:`probe.probes.key_removal.key_removal_gradient`
     without a pass of its own (a trace and a key bias compose:
     :attr:`probe.attention.patterns.Logits.key_bias`).
+    ``sources`` and ``presence`` (one sequence, with ``key_bias``) as
+    :func:`~probe.probes.key_removal.key_removal_gradient`'s: the spans are removal units, and at
+    ``presence`` < 1 every source token's bias starts at log(``presence``), so the whole pass (the
+    attention rows, their gradients, the key-bias gradient) reads the context that holds each source with
+    that weight: at ½ the mean-field point of random half contexts.
     """
     batch, single = _batch(model, input_ids, target_positions, attention_mask, "target_positions", 1)
     layers = check_layers(model, layers)
     inner = hf_model(model)
     seq = batch.input_ids.shape[1]
-    bias = torch.zeros(len(batch), seq, device=batch.input_ids.device, requires_grad=key_bias)
+    units, start = weighted_sources(sources, presence, seq, key_bias and single)
+    device = batch.input_ids.device
+    bias = start.to(device).expand(len(batch), seq).clone().requires_grad_(key_bias)
     with (
-        bias_keys(inner, bias) if key_bias else nullcontext(),
+        bias_keys(inner, bias, None if units is None else units.to(device)) if key_bias else nullcontext(),
         guarded(model, seq, "answer_attribution", checkpoint, len(batch.union), len(batch), layers),
         frozen_parameters(inner),
         torch.enable_grad(),

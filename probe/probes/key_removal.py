@@ -73,18 +73,13 @@ def key_removal_gradient(
     if not depth >= 0:
         raise InvalidValueError(f"depth must be a bias depth >= 0 (0: the gradient at b = 0), got {depth}")
     steps = check_int(steps, "steps", minimum=1)
-    presence = float(presence)
-    if not 0 < presence <= 1:
-        raise InvalidValueError(f"presence must be a weight in (0, 1] (1: the full context), got {presence}")
-    if presence < 1 and sources is None:
-        raise InvalidValueError("presence < 1 weighs the sources' keys: pass sources=[(start, end), ...]")
     if depth == 0 and steps != 1:
         raise InvalidValueError("steps > 1 needs depth > 0: the gradient at b = 0 is one pass")
     ids = check_input_ids(model, input_ids)
     targets = check_positions(target_positions, ids.shape[1], "target_positions", 1).to(ids.device)
     inner = hf_model(model)
     seq = ids.shape[1]
-    units = None if sources is None else removal_units(sources, seq)
+    units, start = weighted_sources(sources, presence, seq)
     positions, removal = torch.arange(seq), nullcontext()
     if kept is not None:
         kept = check_token_flags(kept, seq, "kept")
@@ -94,14 +89,12 @@ def key_removal_gradient(
             table = positions[None].to(ids.device)
             removal = compacted(inner, table)
             ids, targets = ids[:, table[0]], torch.searchsorted(table[0], targets)
-            units = None if units is None else units[positions]
+            units, start = None if units is None else units[positions], start[positions]
         else:
             removal = mask_keys(inner, ~kept[None].to(ids.device))
     run = ids.shape[1]
     bias = torch.zeros(1, run, device=ids.device, requires_grad=True)
-    start = torch.zeros(run, device=ids.device)
-    if units is not None:
-        start[units.to(ids.device) >= seq] = math.log(presence)  # tokens inside a source span
+    start = start.to(ids.device)
     total = torch.zeros(run, device=ids.device)
     with (
         removal as forward,
@@ -132,3 +125,24 @@ def removal_units(sources: Sequence[tuple[int, int]], seq: int) -> torch.Tensor:
             raise InvalidValueError(f"sources[{index}] = ({start}, {end}) overlaps an earlier span")
         units[start:end] = seq + index
     return units
+
+
+def weighted_sources(
+    sources: Sequence[tuple[int, int]] | None, presence: float, seq: int, allowed: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the removal unit of each token, LongTensor[seq], or ``None`` without ``sources``; the key bias each
+    token starts at, Tensor[seq]: log(``presence``) inside a source, 0 elsewhere). ``allowed``: whether the
+    caller can weigh sources (one sequence with a key bias)."""
+    presence = float(presence)
+    if not 0 < presence <= 1:
+        raise InvalidValueError(f"presence must be a weight in (0, 1] (1: the full context), got {presence}")
+    if sources is not None and not allowed:
+        raise InvalidValueError("sources weigh one sequence's key bias: give one sequence and key_bias=True")
+    if presence < 1 and sources is None:
+        raise InvalidValueError("presence < 1 weighs the sources' keys: pass sources=[(start, end), ...]")
+    start = torch.zeros(seq)
+    if sources is None:
+        return None, start
+    units = removal_units(sources, seq)
+    start[units >= seq] = math.log(presence)  # tokens inside a source span
+    return units, start
