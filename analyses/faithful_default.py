@@ -138,14 +138,13 @@ def candidates(about: dict, measured: dict) -> list[dict]:
             found = top in chosen.tolist() and int(torch.argmax(rest)) == top
             name = f"{'+'.join(rankers)} top {budget} rest {other}"
             rows.append(row(name, "+".join(rankers), budget, rest, found, cost))
-        if (
-            rankers == WEIGHTED
-        ):  # the rest as the key-removal gradient gives it: leave_few_out(measure=budget)
+        if rankers == WEIGHTED:  # leave_few_out(measure=budget): the rest as the gradient gives it
             scores = measured["rankings"][rankers[0]].clone()
             scores[chosen] = drops[chosen]
             found = top in chosen.tolist() and int(torch.argmax(scores)) == top
+            with_check = cost + measured["removal"]  # its head's joint removal
             rows.append(
-                row(f"leave_few_out measure {budget}", "+".join(rankers), budget, scores, found, cost)
+                row(f"leave_few_out measure {budget}", "+".join(rankers), budget, scores, found, with_check)
             )
     return rows
 
