@@ -1,5 +1,7 @@
-"""The HotpotQA study's numbers, from its files (``figures/studies/hotpotqa_protocol.md``): every
-``detector_MODEL-natural_*`` study under ``figures/studies``, finished or still running (its finished parts).
+"""The HotpotQA study's numbers, from its files (``figures/studies/hotpotqa_protocol.md``): the folder of
+the protocol's natural-length command for each model (:func:`study_folder_of`; other studies of HotpotQA,
+such as the faithful default's judged run, have folders of their own), finished or still running (its
+finished parts).
 
 Per model: the questions done of those planned, the explained answers' exact match and token F1; per
 model and scorer: LDS, its paired difference from exhaustive leave-one-out with a 95 % bootstrap interval,
@@ -20,17 +22,36 @@ import pandas as pd
 from probe import stats
 from probe.atomic import atomic_write
 
+from . import detector_compare
 from .claims import update_results
 from .study_files import running_tables
 
 MARKERS = "<!-- hotpotqa:start -->", "<!-- hotpotqa:end -->"
 SHOWN = ("leave_one_out", "context_cite", "key_removal_banzhaf", "attn_lrp", "lexical_overlap")
+MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+#: the protocol's natural-length command; ``qwen2.5-coder-1.5b`` runs it without ``at2`` (no head weights)
+NATURAL = (
+    "--tasks hotpotqa --length natural --samples 32 --seed 0 --loo-top-m all --ks 1 2 4 8 --masks 32 "
+    "--detectors attention fr embedding_grad information_flow grad_times_input key_removal_grad "
+    "key_removal_banzhaf at2 attn_lrp integrated_gradients lsd random recency lexical_overlap leave_one_out "
+    "context_cite"
+)
 
 
-def study_rows(figures: Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, int]]:
-    """(metrics rows, faithfulness rows, questions planned per model) of every natural-length study."""
+def study_folder_of(model: str, figures: Path = Path("figures")) -> Path:
+    """The folder the protocol's natural-length command writes for ``model``."""
+    argv = ["--model", model, *NATURAL.split()]
+    if model == "qwen2.5-coder-1.5b":
+        argv.remove("at2")
+    return figures / detector_compare.study_folder(detector_compare.parse_args(argv)).relative_to("figures")
+
+
+def study_rows(
+    figures: Path, models: tuple[str, ...] = MODELS
+) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, int]]:
+    """(metrics rows, faithfulness rows, questions planned per model) of the study's folders."""
     metrics, faithful, planned = [], [], {}
-    for folder in sorted((figures / "studies").glob("detector_*-natural_*")):
+    for folder in [study_folder_of(model, figures) for model in models]:
         finished = sorted(folder.glob("detector_*_faithfulness.csv"))
         if finished:
             faithful.append(pd.read_csv(finished[0]))
@@ -104,8 +125,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     )
     parser.add_argument("--figures", type=Path, default=Path("figures"))
     parser.add_argument("--results", default="RESULTS.md", help="file with the hotpotqa markers ('' to skip)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
     args = parser.parse_args(argv)
-    metrics, faithful, planned = study_rows(args.figures)
+    metrics, faithful, planned = study_rows(args.figures, tuple(args.models))
     table = summary(metrics, faithful) if not faithful.empty else pd.DataFrame()
     atomic_write(
         args.figures / "studies" / "hotpotqa_summary.csv", lambda tmp: table.to_csv(tmp, index=False)

@@ -9,8 +9,10 @@ from analyses import hotpotqa_report
 
 
 def test_the_report_is_computed_from_the_study_files(tmp_path):
-    folder = tmp_path / "figures" / "studies" / "detector_m-natural_abcd1234"
+    folder = hotpotqa_report.study_folder_of("m", tmp_path / "figures")
     folder.mkdir(parents=True)
+    other = folder.with_name("detector_m-natural_00000000")  # another study of HotpotQA: not the report's
+    other.mkdir()
     rng = np.random.default_rng(0)
     scorers = ["leave_one_out", "context_cite", "lexical_overlap"]
     faithful = pd.DataFrame(
@@ -24,10 +26,13 @@ def test_the_report_is_computed_from_the_study_files(tmp_path):
     )  # fmt: skip
     faithful.to_csv(folder / "detector_m-natural_faithfulness.csv", index=False)
     metrics.to_csv(folder / "detector_m-natural_metrics.csv", index=False)
+    faithful.assign(lds=9.0).to_csv(other / "detector_m-natural_faithfulness.csv", index=False)
+    metrics.to_csv(other / "detector_m-natural_metrics.csv", index=False)
     results = tmp_path / "RESULTS.md"
     start, end = hotpotqa_report.MARKERS
     results.write_text(f"before\n{start}\nPREVIOUS TABLE\n{end}\nafter\n")
-    table = hotpotqa_report.main(["--figures", str(tmp_path / "figures"), "--results", str(results)])
+    argv = ["--figures", str(tmp_path / "figures"), "--results", str(results), "--models", "m"]
+    table = hotpotqa_report.main(argv)
     row = table.set_index("scorer").loc["context_cite"]
     wide = faithful.pivot_table(index="seed", columns="scorer", values="lds")
     assert row.lds_minus_loo == pytest.approx((wide.context_cite - wide.leave_one_out).mean())
