@@ -38,12 +38,37 @@ NATURAL = (
 )
 
 
-def study_folder_of(model: str, figures: Path = Path("figures")) -> Path:
-    """The folder the protocol's natural-length command writes for ``model``."""
-    argv = ["--model", model, *NATURAL.split()]
-    if model == "qwen2.5-coder-1.5b":
+#: the study's first questions explained again with the gold answer, teacher-forced (gold vs own)
+GOLD = (
+    "--tasks hotpotqa --length natural --samples 8 --seed 0 --explain gold --loo-top-m all --ks 1 2 4 8 "
+    "--masks 32 --detectors key_removal_grad information_flow key_removal_banzhaf attn_lrp lexical_overlap "
+    "leave_one_out context_cite"
+)
+#: the held-out study's folder (generated tasks, gold answers; figures/studies/heldout_protocol.md)
+HELD_OUT = {"smollm2-135m": "detector_smollm2-135m-1024_faffad12"}
+ANSWER_MARKERS = "<!-- answers:start -->", "<!-- answers:end -->"
+
+
+def study_folder_of(model: str, figures: Path = Path("figures"), command: str = NATURAL) -> Path:
+    """The folder ``command`` (the protocol's natural-length one by default) writes for ``model``."""
+    argv = ["--model", model, *command.split()]
+    if model == "qwen2.5-coder-1.5b" and "at2" in argv:
         argv.remove("at2")
     return figures / detector_compare.study_folder(detector_compare.parse_args(argv)).relative_to("figures")
+
+
+def folder_rows(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """(metrics rows, faithfulness rows, samples planned) of one study folder, finished or running (its
+    finished parts); empty tables where it has none."""
+    finished = sorted(folder.glob("detector_*_faithfulness.csv"))
+    if finished:
+        faithful = pd.read_csv(finished[0])
+        metrics = pd.read_csv(str(finished[0]).replace("_faithfulness", "_metrics"))
+        return metrics, faithful, faithful[["task", "seed"]].drop_duplicates().shape[0]
+    for parts in folder.glob(".detector_*_parts"):
+        recorded, found = running_tables(parts, ("metrics", "faithfulness"))
+        return found["metrics"], found["faithfulness"], recorded["samples"] * len(recorded["tasks"])
+    return pd.DataFrame(), pd.DataFrame(), 0
 
 
 def study_rows(
@@ -51,22 +76,66 @@ def study_rows(
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, int]]:
     """(metrics rows, faithfulness rows, questions planned per model) of the study's folders."""
     metrics, faithful, planned = [], [], {}
-    for folder in [study_folder_of(model, figures) for model in models]:
-        finished = sorted(folder.glob("detector_*_faithfulness.csv"))
-        if finished:
-            faithful.append(pd.read_csv(finished[0]))
-            metrics.append(pd.read_csv(str(finished[0]).replace("_faithfulness", "_metrics")))
-            planned[faithful[-1].model.iloc[0]] = faithful[-1][["task", "seed"]].drop_duplicates().shape[0]
-            continue
-        for parts in folder.glob(".detector_*_parts"):
-            recorded, found = running_tables(parts, ("metrics", "faithfulness"))
-            planned[recorded["model"]] = recorded["samples"] * len(recorded["tasks"])
-            if not found["faithfulness"].empty:
-                metrics.append(found["metrics"])
-                faithful.append(found["faithfulness"])
+    for model in models:
+        found_metrics, found_faithful, planned_here = folder_rows(study_folder_of(model, figures))
+        if planned_here:
+            planned[model] = planned_here
+        if not found_faithful.empty:
+            metrics.append(found_metrics)
+            faithful.append(found_faithful)
     if not faithful:
         return pd.DataFrame(), pd.DataFrame(), planned
     return pd.concat(metrics, ignore_index=True), pd.concat(faithful, ignore_index=True), planned
+
+
+def paired_to_reference(faithful: pd.DataFrame, scorer: str) -> pd.Series:
+    """Per sample (task, seed): ``scorer``'s LDS minus exhaustive leave-one-out's."""
+    wide = faithful.pivot_table(index=["task", "seed"], columns="scorer", values="lds")
+    return (wide[scorer] - wide["leave_one_out"]).dropna()
+
+
+def answers_and_text(figures: Path, model: str = "smollm2-135m") -> pd.DataFrame:
+    """How a verdict (LDS − exhaustive leave-one-out's, paired, 95 % bootstrap interval) moves between
+    planted and real text and between the gold answer and the model's own: the held-out study
+    (:data:`HELD_OUT`: generated tasks, gold answers), HotpotQA questions explained with the gold answer
+    (:data:`GOLD`) and the same questions in the study (the model's own answers), and the own − gold shift
+    paired by question. One row per scorer the three share."""
+    planted = folder_rows(figures / "studies" / HELD_OUT[model])[1]
+    gold = folder_rows(study_folder_of(model, figures, GOLD))[1]
+    own = folder_rows(study_folder_of(model, figures))[1]
+    if gold.empty or own.empty:
+        return pd.DataFrame()
+    rows = []
+    for scorer in sorted(set(planted.scorer) & set(gold.scorer) & set(own.scorer) - {"leave_one_out"}):
+        found = {name: paired_to_reference(table, scorer) for name, table in
+                 (("planted_gold", planted), ("real_gold", gold), ("real_own", own))}  # fmt: skip
+        found["own_minus_gold"] = (found["real_own"] - found["real_gold"]).dropna()
+        row = {"model": model, "scorer": scorer}
+        for name, values in found.items():
+            estimate = stats.bootstrap(values.to_numpy())
+            row |= {name: estimate.value, f"{name}_low": estimate.low, f"{name}_high": estimate.high,
+                    f"{name}_n": estimate.n}  # fmt: skip
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def answers_markdown(table: pd.DataFrame) -> str:
+    """:func:`answers_and_text`'s table."""
+    if table.empty:
+        return "Running: the gold-answer questions have not finished."
+    columns = ("planted_gold", "real_gold", "real_own", "own_minus_gold")
+    first = table.iloc[0]
+    lines = [
+        f"| scorer ({first.model}) | planted text, gold answer ({first.planted_gold_n}) "
+        f"| real questions, gold answer ({first.real_gold_n}) "
+        f"| the same questions, its own answer ({first.real_own_n}) | own − gold, paired |",
+        "|---|---|---|---|---|",
+    ]
+    for row in table.itertuples():
+        cells = [f"{getattr(row, c):+.2f} [{getattr(row, c + '_low'):+.2f}, {getattr(row, c + '_high'):+.2f}]"
+                 for c in columns]  # fmt: skip
+        lines.append("| " + " | ".join([f"`{row.scorer}`", *cells]) + " |")
+    return "\n".join(lines)
 
 
 def summary(metrics: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
@@ -132,9 +201,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     atomic_write(
         args.figures / "studies" / "hotpotqa_summary.csv", lambda tmp: table.to_csv(tmp, index=False)
     )
+    shift = answers_and_text(args.figures)
+    atomic_write(
+        args.figures / "studies" / "hotpotqa_gold_vs_own.csv", lambda tmp: shift.to_csv(tmp, index=False)
+    )
     if args.results:
         update_results(Path(args.results), markdown(table, planned), MARKERS)
-    print(markdown(table, planned))
+        update_results(Path(args.results), answers_markdown(shift), ANSWER_MARKERS)
+    print(markdown(table, planned), answers_markdown(shift), sep="\n\n")
     return table
 
 

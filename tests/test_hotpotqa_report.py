@@ -30,7 +30,8 @@ def test_the_report_is_computed_from_the_study_files(tmp_path):
     metrics.to_csv(other / "detector_m-natural_metrics.csv", index=False)
     results = tmp_path / "RESULTS.md"
     start, end = hotpotqa_report.MARKERS
-    results.write_text(f"before\n{start}\nPREVIOUS TABLE\n{end}\nafter\n")
+    first, last = hotpotqa_report.ANSWER_MARKERS
+    results.write_text(f"before\n{first}\n{last}\n{start}\nPREVIOUS TABLE\n{end}\nafter\n")
     argv = ["--figures", str(tmp_path / "figures"), "--results", str(results), "--models", "m"]
     table = hotpotqa_report.main(argv)
     row = table.set_index("scorer").loc["context_cite"]
@@ -41,3 +42,38 @@ def test_the_report_is_computed_from_the_study_files(tmp_path):
     assert text.startswith("before\n") and text.endswith("after\n") and "PREVIOUS TABLE" not in text
     assert f"| m | 4 (4) | 0.25 / 0.38 | `leave_one_out` | {wide.leave_one_out.mean():.2f} | – |" in text
     assert (tmp_path / "figures" / "studies" / "hotpotqa_summary.csv").exists()
+
+
+def test_gold_against_own_answers_pairs_the_same_questions(tmp_path, monkeypatch):
+    """The verdict shift: each scorer's LDS − leave-one-out's on planted text (the held-out folder), on
+    real questions with the gold answer and with the model's own, and own − gold paired by question."""
+    rng = np.random.default_rng(1)
+    figures = tmp_path / "figures"
+    monkeypatch.setitem(hotpotqa_report.HELD_OUT, "m", "detector_m-1024_held")
+    folders = {
+        "planted": (figures / "studies" / "detector_m-1024_held", "multihop-4", range(5000, 5006)),
+        "gold": (hotpotqa_report.study_folder_of("m", figures, hotpotqa_report.GOLD), "hotpotqa", range(8)),
+        "own": (hotpotqa_report.study_folder_of("m", figures), "hotpotqa", range(10)),
+    }
+    tables = {}
+    for name, (folder, task, seeds) in folders.items():
+        folder.mkdir(parents=True)
+        tables[name] = pd.DataFrame(
+            [{"model": "m", "task": task, "seed": s, "scorer": scorer, "lds": rng.uniform(-1, 1)}
+             for s in seeds for scorer in ("leave_one_out", "context_cite")]
+        )  # fmt: skip
+        tables[name].to_csv(folder / "detector_m-x_faithfulness.csv", index=False)
+        tables[name].drop(columns="lds").to_csv(folder / "detector_m-x_metrics.csv", index=False)
+    table = hotpotqa_report.answers_and_text(figures, "m")
+    found = table.set_index("scorer").loc["context_cite"]
+
+    def difference(table):
+        wide = table.pivot_table(index="seed", columns="scorer", values="lds")
+        return wide.context_cite - wide.leave_one_out
+
+    shift = (difference(tables["own"]) - difference(tables["gold"])).dropna()
+    assert found.own_minus_gold == pytest.approx(shift.mean()) and found.own_minus_gold_n == 8
+    assert found.planted_gold == pytest.approx(difference(tables["planted"]).mean())
+    assert (found.real_gold_n, found.real_own_n, found.planted_gold_n) == (8, 10, 6)
+    assert found.own_minus_gold_low <= found.own_minus_gold <= found.own_minus_gold_high
+    assert f"| `context_cite` | {found.planted_gold:+.2f} [" in hotpotqa_report.answers_markdown(table)
