@@ -36,8 +36,6 @@ NATURAL = (
     "key_removal_banzhaf at2 attn_lrp integrated_gradients lsd random recency lexical_overlap leave_one_out "
     "context_cite"
 )
-
-
 #: the study's first questions explained again with the gold answer, teacher-forced (gold vs own)
 GOLD = (
     "--tasks hotpotqa --length natural --samples 8 --seed 0 --explain gold --loo-top-m all --ks 1 2 4 8 "
@@ -49,11 +47,12 @@ HELD_OUT = {"smollm2-135m": "detector_smollm2-135m-1024_faffad12"}
 ANSWER_MARKERS = "<!-- answers:start -->", "<!-- answers:end -->"
 
 
-def study_folder_of(model: str, figures: Path = Path("figures"), command: str = NATURAL) -> Path:
-    """The folder ``command`` (the protocol's natural-length one by default) writes for ``model``."""
+def study_folder_of(model: str, figures: Path = Path("figures"), command: str | None = None) -> Path:
+    """The folder ``command`` writes for ``model``; by default the study's natural-length command
+    (:data:`NATURAL`, without ``at2`` for ``qwen2.5-coder-1.5b``)."""
+    if command is None:
+        command = NATURAL.replace(" at2 ", " ") if model == "qwen2.5-coder-1.5b" else NATURAL
     argv = ["--model", model, *command.split()]
-    if model == "qwen2.5-coder-1.5b" and "at2" in argv:
-        argv.remove("at2")
     return figures / detector_compare.study_folder(detector_compare.parse_args(argv)).relative_to("figures")
 
 
