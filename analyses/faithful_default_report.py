@@ -9,8 +9,11 @@ whose top source is leave-one-out's (their top-1 removals lose the same log-prob
 was removed); the mean cost in forward-pass equivalents (the detector's seconds over the sample's plain
 forward pass, timed in the same process); and, for the protocol's judged detector, whether it wins:
 LDS's lower end ≥ −0.03, neither AOPC interval wholly below 0, the top source on ≥ 95 % of samples,
-mean cost ≤ 6 forward passes at 1K and ≤ 10 at 4K. Writes ``figures/studies/faithful_default_judged.csv``
-and the table between RESULTS.md's ``judged`` markers.
+mean cost ≤ 6 forward passes at 1K and ≤ 10 at 4K. Beside them, where its peers' run has finished
+(``bench/results/peers/judged-MODEL-1024/summary.csv``: the same samples scored again by the public
+``context-cite`` 0.0.4 and by ours, every cost in CPU seconds), each method's LDS and forward passes there.
+Writes ``figures/studies/faithful_default_judged.csv``, ``…_peers.csv`` and the tables between RESULTS.md's
+``judged`` markers.
 
     python -m analyses.faithful_default_report
 """
@@ -44,6 +47,8 @@ RUNS = (
     ("4K held-out tasks", ("smollm2-135m", "qwen2.5-coder-0.5b"), f"--length 4096 --samples 3 {HELD_OUT}"),
 )  # fmt: skip
 BUDGET = {"1K": 6.0, "4K": 10.0}
+PEERS = Path("bench/results/peers")  # the judged samples' peers runs: judged-MODEL-1024/
+PEER_METHODS = ("context-cite 0.0.4", JUDGED, "key_removal_banzhaf", "leave_one_out")
 MARKERS = "<!-- judged:start -->", "<!-- judged:end -->"
 
 
@@ -138,21 +143,51 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def peer_rows(peers: Path) -> pd.DataFrame:
+    """Per model whose peers run on the judged 1K samples has finished: :data:`PEER_METHODS`' LDS and
+    forward passes (CPU seconds over one plain forward pass's)."""
+    found = []
+    for model in RUNS[0][1]:
+        summary_file = peers / f"judged-{model}-1024" / "summary.csv"
+        if summary_file.exists():
+            table = pd.read_csv(summary_file)
+            found.append(table[table.method.isin(PEER_METHODS)].assign(model=model))
+    columns = ["model", "method", "samples", "lds", "lds_low", "lds_high", "forwards"]
+    return pd.concat(found, ignore_index=True)[columns] if found else pd.DataFrame(columns=columns)
+
+
+def peers_markdown(peers: pd.DataFrame) -> str:
+    """The peers runs' table: per model, each method's LDS [95 % CI] and forward passes."""
+    if peers.empty:
+        return ""
+    lines = ["| model (samples) | " + " | ".join(f"`{m}`: LDS, forward passes" for m in PEER_METHODS) + " |",
+             "|---" * (len(PEER_METHODS) + 1) + "|"]  # fmt: skip
+    for model, of_model in peers.groupby("model", sort=False):
+        by = of_model.set_index("method")
+        cells = [f"{by.lds[m]:.2f} [{by.lds_low[m]:.2f}, {by.lds_high[m]:.2f}], {by.forwards[m]:.1f}"
+                 if m in by.index else "–" for m in PEER_METHODS]  # fmt: skip
+        lines.append(f"| {model} ({of_model.samples.max()}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--figures", type=Path, default=Path("figures"))
     parser.add_argument("--results", default="RESULTS.md", help="file with the judged markers ('' to skip)")
+    parser.add_argument("--peers", type=Path, default=PEERS)
     args = parser.parse_args(argv)
     rows = judged_rows(args.figures)
     table = summary(rows) if not rows.empty else pd.DataFrame()
-    atomic_write(
-        args.figures / "studies" / "faithful_default_judged.csv", lambda tmp: table.to_csv(tmp, index=False)
-    )
+    peers = peer_rows(args.peers)
+    studies = args.figures / "studies"
+    atomic_write(studies / "faithful_default_judged.csv", lambda tmp: table.to_csv(tmp, index=False))
+    atomic_write(studies / "faithful_default_judged_peers.csv", lambda tmp: peers.to_csv(tmp, index=False))
+    text = "\n\n".join(part for part in (markdown(table), peers_markdown(peers)) if part)
     if args.results:
-        update_results(Path(args.results), markdown(table), MARKERS)
-    print(markdown(table))
+        update_results(Path(args.results), text, MARKERS)
+    print(text)
     return table
 
 

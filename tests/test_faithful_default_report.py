@@ -38,7 +38,14 @@ def test_the_judged_report_is_computed_from_the_run_files(tmp_path):
     write_study(figures, hotpotqa, "smollm2-135m", -0.2, [True, False, True, True])
     results = tmp_path / "RESULTS.md"
     results.write_text(f"{report.MARKERS[0]}\nold\n{report.MARKERS[1]}\n")
-    table = report.main(["--figures", str(figures), "--results", str(results)]).set_index(["part", "scorer"])
+    peers = tmp_path / "peers" / "judged-smollm2-135m-1024"
+    peers.mkdir(parents=True)
+    pd.DataFrame(
+        [{"method": m, "samples": 24, "lds": 0.8, "lds_low": 0.7, "lds_high": 0.9, "forwards": f}
+         for m, f in (("context-cite 0.0.4", 44.0), ("leave_few_out", 5.5), ("inseq 0.7.1 saliency", 9.0))]
+    ).to_csv(peers / "summary.csv", index=False)  # fmt: skip
+    argv = ["--figures", str(figures), "--results", str(results), "--peers", str(tmp_path / "peers")]
+    table = report.main(argv).set_index(["part", "scorer"])
     held_out = table.loc[(part, "leave_few_out")]
     assert held_out.lds == pytest.approx(-0.01, abs=0.002) and held_out.samples == 4
     assert held_out.top_source_found == 1.0 and held_out.cost == pytest.approx(4.0)
@@ -51,3 +58,7 @@ def test_the_judged_report_is_computed_from_the_run_files(tmp_path):
     text = results.read_text()
     assert "old" not in text and "| smollm2-135m | 1K held-out tasks (4) | -0.01 [" in text
     assert (figures / "studies" / "faithful_default_judged.csv").exists()
+    assert "| smollm2-135m (24) | 0.80 [0.70, 0.90], 44.0 | 0.80 [0.70, 0.90], 5.5 | – | – |" in text
+    assert "inseq" not in text
+    written = pd.read_csv(figures / "studies" / "faithful_default_judged_peers.csv")
+    assert set(written.method) == {"context-cite 0.0.4", "leave_few_out"}
