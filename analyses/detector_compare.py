@@ -81,7 +81,7 @@ from probe.journal import Journal
 from .arguments import add_device_arguments, check_device_arguments, check_out, length_setting, load
 from .comparison import DEFAULT_DETECTORS, EXPLAINED, LOO_RANKER, compare_samples, explained, forward_seconds
 from .detector_figures import write_outputs
-from .study_files import finished_study, length_of, options_of, rejudged, saved_passes
+from .study_files import already_finished, finished_study, length_of, options_of, rejudged, saved_passes
 from .sweep import part_name, sweep
 
 NOT_SETTINGS = ("resume", "rejudge", "out", "device", "known")  # arguments that do not make another study
@@ -193,7 +193,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add("--resume", action="store_true",
         help="keep the batches a killed run finished and the detections and masked passes of the one it "
-        "was in (in OUT/.detector_*_parts)",
+        "was in (in OUT/.detector_*_parts); a study that finished in OUT with these settings runs no more",
     )  # fmt: skip
     add("--known", type=Path, default=None,
         help="a study folder (or its *_ablations.csv.gz) run with the same --model, --length and --dtype: "
@@ -302,6 +302,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     names = args.detectors or DEFAULT_DETECTORS
     tag = tag_of(args)
     finished = finished_study(args, out, tag, names) if args.rejudge else None
+    done = already_finished(args, out, tag, names) if args.resume else None
+    if done is not None:
+        print(f"--resume: the study in {out} has finished; nothing runs (without --resume it runs again)")
+        return done
     saved = None
     if args.known is not None:
         try:

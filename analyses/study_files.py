@@ -41,12 +41,28 @@ def finished_study(args, out: Path, tag: str, names: list[str]) -> dict[str, pd.
             f"--rejudge: no finished study at {', '.join(missing)}; give the study's folder with --out "
             "and its settings as it ran"
         )
-    found = {
-        name: pd.read_csv(path, keep_default_na=False, na_values=[""])
-        for name, path in files.items()
-        if path.exists()
-    }
-    table = found["metrics"]
+    found = {name: read_table(path) for name, path in files.items() if path.exists()}
+    wrong = study_differences(found["metrics"], args, names)
+    if wrong:
+        raise SystemExit(
+            f"--rejudge: {out} holds another study than the arguments describe; " + "; ".join(wrong)
+        )
+    return found
+
+
+def already_finished(args, out: Path, tag: str, names: list[str]) -> pd.DataFrame | None:
+    """The metrics of the study ``args`` describe where it has finished in ``out`` (its outputs written,
+    its parts folder gone), so that ``--resume`` does not run a finished study again; else None."""
+    metrics = out / f"detector_{tag}_metrics.csv"
+    if not metrics.exists() or (out / f".detector_{tag}_parts").exists():
+        return None
+    table = read_table(metrics)
+    return None if study_differences(table, args, names) else table
+
+
+def study_differences(table: pd.DataFrame, args, names: list[str]) -> list[str]:
+    """How the study of the metrics ``table`` differs from the one ``args`` describe (model, length,
+    samples, detectors), one phrase each; empty where it is that study."""
     samples = {(task, args.seed + i) for task in args.tasks for i in range(args.samples)}
     recorded = {
         "model": (set(table.model), {args.model}),
@@ -54,13 +70,14 @@ def finished_study(args, out: Path, tag: str, names: list[str]) -> dict[str, pd.
         "samples (task, seed)": (set(zip(table.task, table.seed, strict=True)), samples),
         "detectors": (set(table.detector), set(names)),
     }
-    wrong = [f"{what}: the study has {sorted(has)}, the arguments say {sorted(said)}"
-             for what, (has, said) in recorded.items() if has != said]  # fmt: skip
-    if wrong:
-        raise SystemExit(
-            f"--rejudge: {out} holds another study than the arguments describe; " + "; ".join(wrong)
-        )
-    return found
+    return [f"{what}: the study has {sorted(has)}, the arguments say {sorted(said)}"
+            for what, (has, said) in recorded.items() if has != said]  # fmt: skip
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    """A study's CSV table, empty strings as missing values and nothing else (a model's answer "NA"
+    stays a string)."""
+    return pd.read_csv(path, keep_default_na=False, na_values=[""])
 
 
 def rejudged(found: dict[str, pd.DataFrame], args, model, tokenizer) -> dict[str, pd.DataFrame]:
