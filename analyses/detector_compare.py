@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -81,8 +80,8 @@ from probe.journal import Journal
 from .arguments import add_device_arguments, check_device_arguments, check_out, length_setting, load
 from .comparison import DEFAULT_DETECTORS, EXPLAINED, LOO_RANKER, compare_samples, explained, forward_seconds
 from .detector_figures import write_outputs
-from .study_files import already_finished, finished_study, length_of, options_of, rejudged, saved_passes
-from .sweep import part_name, sweep
+from .study_files import finished_study, length_of, options_of, rejudged, saved_passes
+from .sweep import finish, job_parts, part_name, sweep
 
 NOT_SETTINGS = ("resume", "rejudge", "out", "device", "known")  # arguments that do not make another study
 NATURAL = 1024  # the length a natural-length study's length-based defaults (lsd's K) take
@@ -302,10 +301,6 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     names = args.detectors or DEFAULT_DETECTORS
     tag = tag_of(args)
     finished = finished_study(args, out, tag, names) if args.rejudge else None
-    done = already_finished(args, out, tag, names) if args.resume else None
-    if done is not None:
-        print(f"--resume: the study in {out} has finished; nothing runs (without --resume it runs again)")
-        return done
     saved = None
     if args.known is not None:
         try:
@@ -327,7 +322,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if found is None:  # not the main process of an accelerate launch: it writes the outputs
         return pd.DataFrame()
     table = write_outputs(found, args, out, tag, names)
-    shutil.rmtree(out / f".detector_{tag}_parts", ignore_errors=True)  # all written: nothing to resume
+    finish(out / f".detector_{tag}_parts")  # every output is written: a --resume now runs nothing
     return table
 
 
@@ -353,8 +348,8 @@ def run_study(
         ``--resume`` a killed batch goes on mid-sample."""
         pairs = zip(job[::2], job[1::2], strict=True)
         ablations = []
-        for done in parts.glob("*.pkl"):  # a finished part holds all its journal did
-            Journal(done.with_suffix("")).clear()
+        for done in job_parts(parts):  # a finished part holds all its journal did
+            Journal(parts / done).clear()
         journal = Journal(parts / part_name(job))
         if not args.resume:  # a journal left by an earlier run may hold other settings' work
             journal.clear()

@@ -24,7 +24,6 @@ architecture; ``--weights-out``), ``{out}/head_weights_{model}.{png,csv}`` (held
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -40,7 +39,7 @@ from probe.probes.attribution import AnswerAttribution, answer_attribution
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load
 from .output import atomic_write, save_figure
-from .sweep import sweep
+from .sweep import finish, sweep
 
 READ_OFF = ("information_flow", "attention", "embedding_grad", "grad_times_input")
 COMPARED = ("at2", *READ_OFF, "key_removal_grad")
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     result.save(args.weights_out or at2.BUNDLED / f"{name}.json")
     save_figure(plot(summary), summary, args.out, f"head_weights_{name}")
     atomic_write(args.out / f"head_weights_{name}_alphas.csv", lambda tmp: alphas.to_csv(tmp, index=False))
-    shutil.rmtree(parts, ignore_errors=True)  # every output is written: nothing left to resume
+    finish(parts)  # every output is written: a --resume now runs nothing
     print(
         f"alpha = {alpha}\n{alphas.round(3).to_string(index=False)}\n\n"
         f"{summary.round(3).to_string(index=False)}"

@@ -53,7 +53,6 @@ method, r, low, high, n) and ``longppl.md`` (the tables for RESULTS.md).
 from __future__ import annotations
 
 import argparse
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,7 +79,7 @@ from .longppl_tables import (
     plot_correlation,
 )
 from .output import atomic_write, save_figure
-from .sweep import sweep
+from .sweep import finish, sweep
 
 NAME = "longppl"
 MAX_DEPTH = 0.6  # the asked line / needle lies in the first 60 % of the context
@@ -364,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, pd.DataFrame]:
         args.out / f"{NAME}_correlation_table.csv", lambda tmp: correlations.to_csv(tmp, index=False)
     )
     atomic_write(args.out / f"{NAME}.md", lambda tmp: tmp.write_text(report))
-    shutil.rmtree(parts, ignore_errors=True)  # every output is written: nothing left to resume
+    finish(parts)  # every output is written: a --resume now runs nothing
     print(report)
     return dict(tokens=tokens, points=points, classes=classes, variants=table, correlations=correlations)
 

@@ -16,7 +16,6 @@ and ``noise_restraint.csv`` (one row per model, sample, step, layer and category
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -28,7 +27,7 @@ from probe.probes import noise_restraint
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from .output import save_figure
-from .sweep import sweep
+from .sweep import finish, sweep
 
 NAME = "noise_restraint"
 STEPS = [0.001, 0.01, 0.1, 1.0, 10.0]  # lr·β, from "the loss barely moves" to "the input is destroyed"
@@ -183,7 +182,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         return pd.DataFrame()
     table = found["rows"]
     save_figure(plot(table), table, args.out, NAME)
-    shutil.rmtree(parts, ignore_errors=True)
+    finish(parts)  # every output is written: a --resume now runs nothing
     print(summary(table).round(4).to_string(index=False))
     return table
 

@@ -70,7 +70,6 @@ import argparse
 import copy
 import functools
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -89,7 +88,7 @@ from probe.training.objectives import cdt_loss, logo_loss, longce_target_loss, s
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from .output import atomic_write, save_figure
-from .sweep import Tables, sweep
+from .sweep import Tables, finish, sweep
 
 NAME = "objectives"
 TASK = "multihop-1"
@@ -372,7 +371,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     results, training = found
     atomic_write(args.out / f"{NAME}_training.csv", lambda tmp: training.to_csv(tmp, index=False))
     save_figure(plot(results), results, args.out, NAME)
-    shutil.rmtree(parts, ignore_errors=True)
+    finish(parts)  # every output is written: a --resume now runs nothing
     summary = results.groupby("model_label", sort=False)[[*METRICS, "attention_interference"]].mean()
     wall = results.drop_duplicates(["objective", "torch_seed"]).wall_s.sum()
     print(f"{summary.round(4).to_string()}\n\nwall time of the jobs {wall:.0f} s")

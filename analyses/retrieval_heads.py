@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -47,7 +46,7 @@ from probe.results import write_json
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from .output import atomic_write, save_figure
-from .sweep import Tables, is_main_process, sweep
+from .sweep import Tables, finish, is_main_process, sweep
 
 NAME = "retrieval_heads"
 ABLATION_SEED = 1000  # ablation samples use seeds from here on: never the detection samples
@@ -297,7 +296,7 @@ def main(argv: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     scores, ablations = pd.concat(scores, ignore_index=True), pd.concat(ablations, ignore_index=True)
     save_figure(plot_scores(scores), scores, args.out, f"{NAME}_scores")
     save_figure(plot_ablation(ablations), ablations, args.out, f"{NAME}_ablation")
-    shutil.rmtree(parts, ignore_errors=True)
+    finish(parts)  # every output is written: a --resume now runs nothing
     print(ablations.drop(columns="heads").to_string(index=False))
     return scores, ablations
 

@@ -50,16 +50,6 @@ def finished_study(args, out: Path, tag: str, names: list[str]) -> dict[str, pd.
     return found
 
 
-def already_finished(args, out: Path, tag: str, names: list[str]) -> pd.DataFrame | None:
-    """The metrics of the study ``args`` describe where it has finished in ``out`` (its outputs written,
-    its parts folder gone), so that ``--resume`` does not run a finished study again; else None."""
-    metrics = out / f"detector_{tag}_metrics.csv"
-    if not metrics.exists() or (out / f".detector_{tag}_parts").exists():
-        return None
-    table = read_table(metrics)
-    return None if study_differences(table, args, names) else table
-
-
 def study_differences(table: pd.DataFrame, args, names: list[str]) -> list[str]:
     """How the study of the metrics ``table`` differs from the one ``args`` describe (model, length,
     samples, detectors), one phrase each; empty where it is that study."""

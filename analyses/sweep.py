@@ -4,7 +4,8 @@
 distributed setup, under plain ``python -m``), writes each finished job's tables atomically to
 ``{parts}/{job}.pkl``, and gathers every job's tables on the main process in job order, so the
 outputs equal a single process's. With ``resume=True`` the jobs whose part exists are read back
-instead of being run again: a killed sweep goes on where it stopped. With ``everywhere=True``
+instead of being run again: a killed sweep goes on where it stopped, and one that :func:`finish` closed
+runs nothing again. With ``everywhere=True``
 every process gets the gathered tables (the main process sends them), for a sweep whose results
 the next sweep needs (the retrieval-head ranking that the ablation jobs use). Progress bars show
 on the main process only.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import shutil
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
@@ -43,6 +45,10 @@ PEER_WAIT = timedelta(days=7)
 """How long a process that finished its jobs waits for the others at the gather. torch's default of
 30 minutes would end a sweep whose jobs differ by more (one 32K-token sample runs for hours on a CPU);
 a process that dies ends the launch anyway, so the wait need not be short."""
+
+
+FINISHED = "finished.pkl"
+"""The file :func:`finish` leaves in a parts folder: every job's tables, by part name."""
 
 
 def part_name(job: Sequence[Hashable]) -> str:
@@ -71,7 +77,14 @@ def sweep(
     parts = Path(parts)
     if settings is not None:
         check_settings(parts, settings, resume, state.is_main_process)
-    todo = [job for job in jobs if not (resume and (parts / f"{part_name(job)}.pkl").exists())]
+    if not resume and state.is_main_process:  # another run's parts must not answer a later --resume
+        for stale in [FINISHED, *(f"{part_name(job)}.pkl" for job in jobs)]:
+            (parts / stale).unlink(missing_ok=True)
+    if not resume and state.num_processes > 1:
+        state.wait_for_everyone()
+    done = finished_parts(parts) if resume else {}
+    written = done.keys() | job_parts(parts) if resume else set()
+    todo = [job for job in jobs if part_name(job) not in written]
     new = {}
     with state.split_between_processes(todo) as mine:
         for job in tqdm(mine, desc=desc, disable=not (progress and state.is_main_process)):
@@ -81,13 +94,46 @@ def sweep(
         new = dict(gather_object(list(new.items())))
     found = None
     if state.is_main_process:
-        per_job = [new.get(part_name(job)) or pd.read_pickle(parts / f"{part_name(job)}.pkl") for job in jobs]
+        per_job = [
+            new.get(part_name(job))
+            or done.get(part_name(job))
+            or pd.read_pickle(parts / f"{part_name(job)}.pkl")
+            for job in jobs
+        ]
         found = {}
         for name in dict.fromkeys(name for tables in per_job for name in tables):  # in order of appearance
             found[name] = pd.concat([tables[name] for tables in per_job if name in tables], ignore_index=True)
     if everywhere and state.num_processes > 1:
         found = broadcast_object_list([found])[0]
     return found
+
+
+def finish(parts: Path) -> None:
+    """Close a sweep whose outputs are all written: its job parts become one file, ``{parts}/finished.pkl``,
+    beside its ``settings.json``, and everything else in the folder (the journals of jobs under way) goes.
+    A ``--resume`` with the same settings then reads every job from it and runs none again; without it, a
+    finished sweep resumed in a chain of runs would start over."""
+    parts = Path(parts)
+    if not parts.is_dir():
+        return
+    tables = finished_parts(parts) | {
+        name: pd.read_pickle(parts / f"{name}.pkl") for name in job_parts(parts)
+    }
+    atomic_write(parts / FINISHED, lambda tmp: pd.to_pickle(tables, tmp))
+    for path in parts.iterdir():
+        if path.name not in {FINISHED, "settings.json"}:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def finished_parts(parts: Path) -> dict[str, Tables]:
+    """The tables of the jobs a finished sweep in ``parts`` ran (:func:`finish`), by part name, or ``{}``."""
+    path = Path(parts) / FINISHED
+    return pd.read_pickle(path) if path.exists() else {}
+
+
+def job_parts(parts: Path) -> set[str]:
+    """The part names of the jobs whose tables are written in ``parts``, one file each."""
+    return {path.stem for path in Path(parts).glob("*.pkl") if path.name != FINISHED}
 
 
 def check_settings(parts: Path, settings: dict, resume: bool, main: bool) -> None:

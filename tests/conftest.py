@@ -148,3 +148,9 @@ def sandbox():
 def passes(monkeypatch) -> PassCounter:
     """A :class:`PassCounter` of this test's masked passes."""
     return PassCounter(monkeypatch)
+
+
+def closed(parts: Path) -> bool:
+    """Whether ``parts`` is the folder a finished sweep leaves (:func:`analyses.sweep.finish`): its settings
+    and one file of every job's tables, nothing else (no job part, no journal)."""
+    return sorted(path.name for path in parts.iterdir()) == ["finished.pkl", "settings.json"]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import run_argv
+from conftest import closed, run_argv
 from transformers import AutoTokenizer
 
 from analyses import comparison, detector_compare
@@ -267,7 +267,7 @@ def test_a_run_killed_mid_sample_resumes_from_its_journal(tiny_model_folder, tmp
         for name in ("unbroken", "killed")
     }
     pd.testing.assert_frame_equal(read["killed"], read["unbroken"], atol=1e-5)
-    assert not parts.exists()  # finished: the parts and journals are gone
+    assert closed(parts)  # finished: the parts and journals are gone
     passes.kill_after(total - 3)
     with pytest.raises(KeyboardInterrupt):
         detector_compare.main([*argv, "--out", str(tmp_path / "again")])

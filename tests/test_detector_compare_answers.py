@@ -115,21 +115,22 @@ def test_a_rejudge_of_another_study_is_refused_before_any_model_work(
     assert "give one" in capsys.readouterr().err
 
 
-def test_a_resume_of_a_finished_study_runs_nothing_and_one_of_another_study_runs(
-    compare_run, tiny_model_folder, monkeypatch, capsys
+def test_a_resume_of_a_finished_study_runs_nothing_and_one_with_other_settings_is_refused(
+    compare_run, tiny_model_folder, tmp_path, monkeypatch
 ):
-    """``--resume`` where the same study has finished (outputs written, parts gone) gives back its metrics
-    without loading the model, so a chain of resumed studies does not run a finished one again; other
-    settings (here more samples) in the same folder are another study, and it runs."""
+    """``--resume`` where the same study has finished (outputs written, its parts folder closed by
+    :func:`analyses.sweep.finish`) runs no sample again and gives back the same metrics, so a chain of
+    resumed studies does not run a finished one again; other settings (here more samples) in the same
+    folder are refused, naming the difference."""
     table, out, tag = compare_run
-    assert not (out / f".detector_{tag}_parts").exists()
-    monkeypatch.setattr(detector_compare, "load", lambda args: pytest.fail("the model was loaded"))
-    argv = [*run_argv(tiny_model_folder), "--out", str(out), "--resume"]
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    parts = tmp_path / f".detector_{tag}_parts"
+    assert sorted(path.name for path in parts.iterdir()) == ["finished.pkl", "settings.json"]
+    monkeypatch.setattr(detector_compare, "compare_samples", lambda *a, **k: pytest.fail("a sample ran"))
+    argv = [*run_argv(tiny_model_folder), "--out", str(tmp_path), "--resume"]
     again = detector_compare.main(argv)
-    assert "has finished; nothing runs" in capsys.readouterr().out
-    pd.testing.assert_frame_equal(again, study_files.read_table(out / f"detector_{tag}_metrics.csv"))
-    assert len(again) == len(table)
-    with pytest.raises(pytest.fail.Exception, match="the model was loaded"):
+    pd.testing.assert_frame_equal(again, table)
+    with pytest.raises(SystemExit, match=r"samples: 1 then, 2 now"):
         detector_compare.main([*argv, "--samples", "2"])
 
 

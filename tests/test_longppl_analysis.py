@@ -6,6 +6,7 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import closed
 from scipy.stats import pearsonr
 
 import probe.stats
@@ -50,7 +51,7 @@ def test_resume_reruns_only_the_missing_job_and_writes_the_same_outputs(
 ):
     argv = tiny_argv(tiny_model_folder, tmp_path)
     with monkeypatch.context() as patch:  # keep the parts, as a run killed before writing would
-        patch.setattr(longppl.shutil, "rmtree", lambda *args, **kwargs: None)
+        patch.setattr(longppl, "finish", lambda parts: None)
         first = longppl.main(argv)
     written = {name: (tmp_path / name).read_text() for name in OUTPUTS}
     parts = tmp_path / ".longppl_parts"
@@ -78,7 +79,7 @@ def test_resume_reruns_only_the_missing_job_and_writes_the_same_outputs(
     longppl.main([*argv, "--resume"])
     assert calls == Counter(sample_correct=1)
     assert {name: (tmp_path / name).read_text() for name in OUTPUTS} == written
-    assert not parts.exists()  # removed once the outputs are written
+    assert closed(parts)  # closed once the outputs are written
 
 
 def test_correlations_over_the_variants_where_a_measure_is_defined(monkeypatch):

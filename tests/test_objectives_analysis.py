@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import closed
 from transformers import AutoTokenizer
 
 import probe
@@ -50,7 +51,8 @@ def test_objectives_writes_figure_csv_and_training_log(tiny_model_folder, tokeni
         sample = tasks.make(objectives.TASK, tokenizer, 128, seed=seed)
         assert dispreferred.split() == objectives.interference_answers(sample)
     assert training[training.objective != "logo"].dispreferred.isna().all()
-    assert not list(tmp_path.glob(".*tmp*")) and not list(tmp_path.glob(".*parts"))  # nothing left behind
+    assert not list(tmp_path.glob(".*tmp*"))  # nothing half-written left behind
+    assert [closed(parts) for parts in tmp_path.glob(".*parts")] == [True]
 
 
 def test_logo_disprefers_the_answers_of_the_interference_facts(tokenizer):
@@ -129,7 +131,7 @@ def test_resume_reruns_only_the_missing_jobs(tiny_model_folder, tmp_path, monkey
     for name in ("objectives.csv", "objectives_training.csv"):
         whole, resumed = (pd.read_csv(folder / name) for folder in (tmp_path / "whole", out))
         pd.testing.assert_frame_equal(resumed.drop(columns="wall_s"), whole.drop(columns="wall_s"))
-    assert not (out / ".objectives_parts").exists()
+    assert closed(out / ".objectives_parts")
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import closed
 
 from analyses import objectives
-from analyses.sweep import PEER_WAIT, part_name, sweep
+from analyses.sweep import PEER_WAIT, finish, part_name, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,38 @@ def test_a_single_process_sweep_keeps_job_order_and_resumes(tmp_path):
     (tmp_path / "parts" / f"{part_name(('a', 0))}.pkl").unlink()  # as if killed before this job
     again = sweep(jobs, run, tmp_path / "parts", resume=True)
     assert runs[3:] == [("a", 0)] and again["rows"].equals(found["rows"])
+
+
+def test_a_finished_sweep_resumed_runs_nothing_and_a_fresh_run_leaves_no_stale_parts(tmp_path):
+    """:func:`finish` keeps every job's tables in one file beside the settings: a ``--resume`` with the same
+    settings runs no job and gives back the same tables. A run without ``--resume`` first forgets what an
+    earlier run left (its finished file and its parts of the same jobs), so a resume after it is killed
+    never mixes the earlier run's rows with its own."""
+    runs, parts = [], tmp_path / "parts"
+
+    def run(job, scale=1):
+        runs.append(job)
+        return {"rows": pd.DataFrame({"job": [job[0]], "value": [job[0] * scale]})}
+
+    jobs = [(1,), (2,), (3,)]
+    found = sweep(jobs, run, parts, settings={"scale": 1}, progress=False)
+    (parts / "1.passes.jsonl").write_text("")  # a journal of a job under way
+    finish(parts)
+    assert sorted(path.name for path in parts.iterdir()) == ["finished.pkl", "settings.json"]
+    again = sweep(jobs, run, parts, resume=True, settings={"scale": 1}, progress=False)
+    assert runs == jobs and again["rows"].equals(found["rows"])
+
+    def killed_at_3(job):
+        if job == (3,):
+            raise KeyboardInterrupt("killed")
+        return run(job, scale=10)
+
+    with pytest.raises(KeyboardInterrupt):  # settings of scale 10, killed before its last job
+        sweep(jobs, killed_at_3, parts, settings={"scale": 10}, progress=False)
+    resumed = sweep(
+        jobs, lambda job: run(job, scale=10), parts, resume=True, settings={"scale": 10}, progress=False
+    )
+    assert resumed["rows"].value.tolist() == [10, 20, 30] and runs[-1] == (3,)
 
 
 def test_a_job_may_leave_a_table_out_and_everywhere_returns_the_tables(tmp_path):
@@ -98,7 +131,7 @@ def test_two_processes_write_exactly_the_rows_of_one(tiny_model_folder, tmp_path
             for out in ("one", "two")
         )
         pd.testing.assert_frame_equal(one, two)
-    assert not list((tmp_path / "two").glob(".*parts"))  # parts removed once the outputs are written
+    assert [closed(parts) for parts in (tmp_path / "two").glob(".*parts")] == [True]
 
 
 def test_two_processes_fine_tune_exactly_as_one(tiny_model_folder, tmp_path):
@@ -111,7 +144,7 @@ def test_two_processes_fine_tune_exactly_as_one(tiny_model_folder, tmp_path):
     for name in ("objectives.csv", "objectives_training.csv"):
         one, two = (pd.read_csv(tmp_path / out / name).drop(columns="wall_s") for out in ("one", "two"))
         pd.testing.assert_frame_equal(one, two)
-    assert not list((tmp_path / "two").glob(".*parts"))
+    assert [closed(parts) for parts in (tmp_path / "two").glob(".*parts")] == [True]
 
 
 def test_a_resume_with_other_settings_is_refused_naming_the_difference(tmp_path):

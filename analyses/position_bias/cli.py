@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import torch
 
 from ..arguments import add_device_arguments, check_device_arguments, check_out, load, resume_settings
 from ..output import save_figure
-from ..sweep import is_main_process, sweep
+from ..sweep import finish, is_main_process, sweep
 from .controlled import (
     Network,
     Study,
@@ -126,7 +125,7 @@ def run_study(preset: Preset, out: Path, progress: bool, resume: bool) -> dict[s
     save_figure(plot_selector_by_layers(by_layers), by_layers, out, "position_bias_selector_depth")
     summary = tables["gaps"].pivot_table(index=["panel", "setting", "pair"], columns="source", values="gap")
     print(summary.round(3).to_string())
-    shutil.rmtree(parts, ignore_errors=True)
+    finish(parts)  # every output is written: a --resume now runs nothing
     return tables
 
 
@@ -155,7 +154,7 @@ def run_real(preset: Preset, args: argparse.Namespace, progress: bool) -> dict[s
     )
     lost = tables["lost_in_the_middle"]
     save_figure(plot_lost_in_the_middle(lost), lost, out, "position_bias_lost_in_the_middle")
-    shutil.rmtree(parts, ignore_errors=True)
+    finish(parts)  # every output is written: a --resume now runs nothing
     return tables
 
 
