@@ -36,7 +36,7 @@ TINY_SETTINGS = {
         "DETECTORS": ["attention", "key_removal_banzhaf", "leave_one_out", "context_cite"],  # at2: no weights
     },  # fmt: skip
     "detector_compare.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 256},
-    "faithful_default.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192},
+    "faithful_default.ipynb": {"MODEL": TINY_MODEL, "LENGTH": 192, "STUDY": None},
     "hotpotqa.ipynb": {"MODEL": TINY_MODEL, "SEED": 7309, "MASKS": 4},  # 1,098 tokens: within 2K
     "key_removal.ipynb": {
         "MODEL": TINY_MODEL,
