@@ -42,8 +42,8 @@ pass without gradients, so no length needs checkpointing.
 Runs as sweeps (:mod:`analyses.sweep`), unchanged under ``accelerate launch``: the evaluator's key
 tokens (one job per document; the main process hands them to every process), then one job per
 (variant, document), per (variant, task, sample) and per answer-token sample. Each finished job is
-kept in ``OUT/.longppl_parts`` until the outputs are written; ``--resume`` reads the finished ones
-back instead of running them again.
+kept in ``OUT/.longppl_parts``, all of them in one file once the outputs are written
+(:func:`analyses.sweep.finish`); ``--resume`` reads the finished ones back instead of running them again.
 
 Writes ``figures/longppl_answer_ppl``, ``longppl_answer_lsd``, ``longppl_correlation`` (PNG + CSV),
 ``longppl_answer_tokens.csv`` (one row per token), ``longppl_correlation_table.csv`` (metric,

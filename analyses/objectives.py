@@ -60,8 +60,8 @@ settings, the torch seed — empty for the base model — and the job's wall tim
 
 A sweep (:mod:`analyses.sweep`): one job evaluates the base model, one job per (objective, torch
 seed) fine-tunes and evaluates; they run unchanged under ``accelerate launch``, split across the
-processes. Each finished job is kept as a part (``OUT/.objectives_parts``) until the outputs are
-written; ``--resume`` keeps the parts of a killed run and runs only the missing jobs.
+processes. Each finished job is kept as a part (``OUT/.objectives_parts``), all of them in one file
+once the outputs are written (:func:`analyses.sweep.finish`); ``--resume`` runs only the jobs no part holds.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ Writes, per run, with the CSV behind each figure:
 Runs unchanged under ``accelerate launch`` (:mod:`analyses.sweep`), model by model, in two sweeps:
 one job per detection trial (length, depth, needle seed), whose scores every process receives for
 the ranking, then one job per ablation sample (task, seed) running every ablated head set on it.
-Each finished job is kept as a part (``OUT/.retrieval_heads_parts``) until the outputs are
-written; ``--resume`` keeps the parts of a killed run and runs only the missing jobs. The outputs
-equal a single process's.
+Each finished job is kept as a part (``OUT/.retrieval_heads_parts``), all of them in one file once
+the outputs are written (:func:`analyses.sweep.finish`); ``--resume`` runs only the jobs no part
+holds. The outputs equal a single process's.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from probe import tasks
 from probe.errors import InvalidValueError
 
 from .comparison import ANSWER_COLUMNS, explained
+from .sweep import job_parts
 
 
 def options_of(task: str, given: list[tuple[str, float]]) -> dict[str, float]:
@@ -126,10 +127,11 @@ def saved_passes(
 def running_tables(parts: Path, names: tuple[str, ...]) -> tuple[dict, dict[str, pd.DataFrame]]:
     """A running study's recorded settings and, for each table of ``names``, the rows of its finished
     parts (``parts``: its ``.detector_*_parts`` folder) with ``model``, ``length`` and ``dtype`` ("" for
-    the model's own) as its finished outputs get them; a table no part holds is empty."""
+    the model's own) as its finished outputs get them; a table no part holds is empty, as every table of a
+    study that has finished (its rows are in its CSVs)."""
     recorded = json.loads((parts / "settings.json").read_text())
     about = {"model": recorded["model"], "length": recorded["length"], "dtype": recorded.get("dtype") or ""}
-    tables = [pd.read_pickle(part) for part in sorted(parts.glob("*.pkl"))]
+    tables = [pd.read_pickle(parts / f"{name}.pkl") for name in sorted(job_parts(parts))]
     found = {name: [table[name] for table in tables if name in table] for name in names}
     return recorded, {
         name: pd.concat(rows, ignore_index=True).assign(**about) if rows else pd.DataFrame()

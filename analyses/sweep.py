@@ -154,7 +154,8 @@ def check_settings(parts: Path, settings: dict, resume: bool, main: bool) -> Non
             )
         return
     if resume and main:
-        beside = sorted(set(parts.parent.parent.glob(f"*/{parts.name}/settings.json")) - {path})
+        others = set(parts.parent.parent.glob(f"*/{parts.name}/settings.json")) - {path}
+        beside = sorted(other for other in others if not (other.parent / FINISHED).exists())
         differences = [settings_difference(json.loads(other.read_text()), wanted) for other in beside]
         waiting = "".join(
             f"\n  {other.parent} ({difference or 'the same settings'})"

@@ -126,6 +126,8 @@ def test_a_resume_of_a_finished_study_runs_nothing_and_one_with_other_settings_i
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
     parts = tmp_path / f".detector_{tag}_parts"
     assert sorted(path.name for path in parts.iterdir()) == ["finished.pkl", "settings.json"]
+    written = pd.read_csv(tmp_path / f"detector_{tag}_ablations.csv.gz")
+    assert len(study_files.saved_passes(tmp_path)) == len(written)  # the CSV's passes, none twice
     monkeypatch.setattr(detector_compare, "compare_samples", lambda *a, **k: pytest.fail("a sample ran"))
     argv = [*run_argv(tiny_model_folder), "--out", str(tmp_path), "--resume"]
     again = detector_compare.main(argv)
