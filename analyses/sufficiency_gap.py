@@ -6,10 +6,11 @@ Sufficiency at k is the drop of log P(answer) when only a scorer's top k sources
 (:func:`probe.faithfulness.evaluate`); AOPC averages it over k. Where a detector's is larger than
 exhaustive leave-one-out's, the two top-k sets differ. For each sample and k this reads both kept-alone
 passes from the study's saved passes (no mask runs again; the detector runs once, and its sufficiency is
-checked against the study's) and names the sources the detector keeps that leave-one-out does not: each
-one's detector score, its exact leave-one-out drop, and whether the detector measured it exactly (its
-certificate's ``measured``) or estimated it. ``gap`` is the detector's sufficiency minus leave-one-out's
-(nats; positive: the detector's top k hold less of the answer).
+checked against the study's) and names the sources the detector keeps that leave-one-out does not, and
+the other way round: each one's detector score, its exact leave-one-out drop, and whether the detector
+measured it exactly (its certificate's ``measured``) or estimated it. ``gap`` is the detector's
+sufficiency minus leave-one-out's (nats; positive: the detector's top k hold less of the answer). A study
+still running lends the samples its finished parts hold.
 
 Explains, tunes nothing: the judged samples may be looked at, a remedy is judged on new seeds.
 
@@ -31,31 +32,37 @@ from probe import faithfulness, tasks
 from probe.faithfulness.masks import KS, top_k_masks
 
 from .comparison import explained
+from .hotpotqa_report import folder_rows
+from .study_files import saved_passes
 
 
 def sample_rows(
     model, tokenizer, sample: tasks.Sample, saved: pd.DataFrame, detector: str, ks=KS
 ) -> list[dict]:
-    """One row per k: both scorers' kept-alone drops (saved passes), their gap and the sources only the
-    detector keeps, as ``source:score/leave-one-out drop/measured or estimated``."""
+    """One row per k: both scorers' kept-alone drops (saved passes), their gap, the sources only the
+    detector keeps (``swapped_in``) and those only leave-one-out keeps (``swapped_out``), each as
+    ``source:detector score/leave-one-out drop/measured or estimated``."""
     known = faithfulness.Ablations.from_frame(saved, sample)
     full = float(known.logprob_of(torch.ones(1, len(sample.sources), dtype=torch.bool))[0])
     loo = known.leave_one_out()
     detection = probe.detect(detector, model, tokenizer, sample)
     scores = detection.source_scores()
     measured = detection.details.get("measured", torch.zeros(len(scores), dtype=torch.bool))
+
+    def described(i: int) -> str:
+        return f"{i}:{scores[i]:.2f}/{loo[i]:.2f}/{'measured' if measured[i] else 'estimated'}"
+
     rows = []
     for k, mine, theirs in zip(ks, top_k_masks(scores, ks), top_k_masks(loo, ks), strict=True):
         kept = known.logprob_of(torch.stack([mine, theirs]))
         only_mine = (mine & ~theirs).nonzero().flatten().tolist()
+        only_theirs = (theirs & ~mine).nonzero().flatten().tolist()
         rows.append({
             "k": k,
             "sufficiency": full - float(kept[0]),
             "sufficiency_leave_one_out": full - float(kept[1]),
-            "swapped_in": " ".join(
-                f"{i}:{scores[i]:.2f}/{loo[i]:.2f}/{'measured' if measured[i] else 'estimated'}"
-                for i in only_mine
-            ),
+            "swapped_in": " ".join(described(i) for i in only_mine),
+            "swapped_out": " ".join(described(i) for i in only_theirs),
             "swapped_in_estimated": int((~measured[only_mine]).sum()),
         })  # fmt: skip
     return rows
@@ -65,18 +72,18 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("study", type=Path, help="a judged study's folder (its *_ablations.csv.gz)")
+    parser.add_argument(
+        "study", type=Path, help="a judged study's folder, finished or running (its finished parts)"
+    )
     parser.add_argument("--detector", default="leave_few_out", help="a detector the study judged")
     parser.add_argument("--tasks", nargs="+", default=None, help="default: every task of the study")
     parser.add_argument("--csv", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    (path,) = args.study.glob("detector_*_ablations.csv.gz")
-    saved = pd.read_csv(path, dtype={"removed": str})
-    (judged,) = args.study.glob("detector_*_faithfulness.csv")
-    study = pd.read_csv(judged).query("scorer == @args.detector").set_index(["task", "seed"])
+    saved = saved_passes(args.study)
+    study = folder_rows(args.study)[1].query("scorer == @args.detector").set_index(["task", "seed"])
     if study.empty:
-        raise SystemExit(f"{judged} has no rows of {args.detector!r}: name a detector the study judged")
+        raise SystemExit(f"{args.study} has no rows of {args.detector!r}: name a detector the study judged")
     ks = [int(column.removeprefix("sufficiency_k")) for column in study if column.startswith("sufficiency_k")]
     (name,), (length,) = saved.model.unique(), saved.length.unique()
     model, tokenizer = load(name)
@@ -85,7 +92,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         if args.tasks and task not in args.tasks:
             continue
         made = tasks.make(
-            task, tokenizer, None if length == "natural" else int(length), int(seed), model=model
+            task,
+            tokenizer,
+            None if pd.isna(length) or length == "natural" else int(length),
+            int(seed),
+            model=model,
         )
         sample, _ = explained(model, tokenizer, made, study.loc[(task, seed), "explained"])
         for row in sample_rows(model, tokenizer, sample, saved, args.detector, ks):
