@@ -25,7 +25,8 @@ from bench.harness import intervals, report_with_summary, saved_passes_parser, s
 from probe import faithfulness
 from probe.errors import InvalidValueError
 
-from .study_files import running_tables, saved_passes
+from .hotpotqa_report import folder_rows
+from .study_files import saved_passes
 
 SIZES = (32, 64, 128, 192, 256)
 
@@ -33,11 +34,7 @@ SIZES = (32, 64, 128, 192, 256)
 def recorded_ceiling(study: Path) -> pd.Series:
     """The study's own ``additive_ceiling`` LDS, indexed by (task, seed): its faithfulness CSV and the
     finished parts of a run still going."""
-    frames = [pd.read_csv(file) for file in study.glob("detector_*_faithfulness.csv")]
-    for parts in study.glob(".detector_*_parts"):
-        running = running_tables(parts, ("faithfulness",))[1]["faithfulness"]
-        frames += [running] if not running.empty else []
-    rows = pd.concat(frames, ignore_index=True).query("scorer == 'additive_ceiling'")
+    rows = folder_rows(study)[1].query("scorer == 'additive_ceiling'")
     return rows.set_index(["task", "seed"]).lds
 
 
