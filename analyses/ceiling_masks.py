@@ -25,8 +25,7 @@ from bench.harness import intervals, report_with_summary, saved_passes_parser, s
 from probe import faithfulness
 from probe.errors import InvalidValueError
 
-from .hotpotqa_report import folder_rows
-from .study_files import saved_passes
+from .study_files import folder_rows, saved_passes
 
 SIZES = (32, 64, 128, 192, 256)
 

@@ -248,6 +248,12 @@ def task_option(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"task options are KEY=NUMBER, got {text!r}") from None
 
 
+def command_folder(model: str, command: str, figures: Path = Path("figures")) -> Path:
+    """The folder this analysis writes for ``model`` and the options ``command`` (as typed after
+    ``--model MODEL``), under ``figures``."""
+    return figures / study_folder(parse_args(["--model", model, *command.split()])).relative_to("figures")
+
+
 def study_folder(args: argparse.Namespace) -> Path:
     """``figures`` for the main job's default settings (any model and length: their files are named by
     both), else a folder of its own under ``figures/studies``, named by a hash of the settings."""

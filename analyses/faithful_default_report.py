@@ -30,7 +30,8 @@ from probe import stats
 from probe.atomic import atomic_write
 
 from .claims import update_results
-from .hotpotqa_report import folder_rows, study_folder_of
+from .detector_compare import command_folder
+from .study_files import folder_rows
 
 JUDGED = "leave_few_out"
 DETECTORS = (
@@ -58,7 +59,7 @@ def judged_rows(figures: Path) -> pd.DataFrame:
     found = []
     for part, models, command in RUNS:
         for model in models:
-            metrics, faithful, _ = folder_rows(study_folder_of(model, figures, command))
+            metrics, faithful, _ = folder_rows(command_folder(model, command, figures))
             if faithful.empty:
                 continue
             cost = metrics.assign(cost=metrics.seconds / metrics.forward_seconds)[

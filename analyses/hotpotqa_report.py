@@ -24,7 +24,7 @@ from probe.atomic import atomic_write
 
 from . import detector_compare
 from .claims import update_results
-from .study_files import running_tables
+from .study_files import folder_rows
 
 MARKERS = "<!-- hotpotqa:start -->", "<!-- hotpotqa:end -->"
 SHOWN = ("leave_one_out", "context_cite", "key_removal_banzhaf", "attn_lrp", "lexical_overlap")
@@ -52,22 +52,7 @@ def study_folder_of(model: str, figures: Path = Path("figures"), command: str | 
     (:data:`NATURAL`, without ``at2`` for ``qwen2.5-coder-1.5b``)."""
     if command is None:
         command = NATURAL.replace(" at2 ", " ") if model == "qwen2.5-coder-1.5b" else NATURAL
-    argv = ["--model", model, *command.split()]
-    return figures / detector_compare.study_folder(detector_compare.parse_args(argv)).relative_to("figures")
-
-
-def folder_rows(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame, int]:
-    """(metrics rows, faithfulness rows, samples planned) of one study folder, finished or running (its
-    finished parts); empty tables where it has none."""
-    finished = sorted(folder.glob("detector_*_faithfulness.csv"))
-    if finished:
-        faithful = pd.read_csv(finished[0])
-        metrics = pd.read_csv(str(finished[0]).replace("_faithfulness", "_metrics"))
-        return metrics, faithful, faithful[["task", "seed"]].drop_duplicates().shape[0]
-    for parts in folder.glob(".detector_*_parts"):
-        recorded, found = running_tables(parts, ("metrics", "faithfulness"))
-        return found["metrics"], found["faithfulness"], recorded["samples"] * len(recorded["tasks"])
-    return pd.DataFrame(), pd.DataFrame(), 0
+    return detector_compare.command_folder(model, command, figures)
 
 
 def study_rows(

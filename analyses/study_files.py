@@ -137,3 +137,17 @@ def running_tables(parts: Path, names: tuple[str, ...]) -> tuple[dict, dict[str,
         name: pd.concat(rows, ignore_index=True).assign(**about) if rows else pd.DataFrame()
         for name, rows in found.items()
     }
+
+
+def folder_rows(folder: Path) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """(metrics rows, faithfulness rows, samples planned) of one study folder, finished or running (its
+    finished parts); empty tables where it has none."""
+    finished = sorted(folder.glob("detector_*_faithfulness.csv"))
+    if finished:
+        faithful = pd.read_csv(finished[0])
+        metrics = pd.read_csv(str(finished[0]).replace("_faithfulness", "_metrics"))
+        return metrics, faithful, faithful[["task", "seed"]].drop_duplicates().shape[0]
+    for parts in folder.glob(".detector_*_parts"):
+        recorded, found = running_tables(parts, ("metrics", "faithfulness"))
+        return found["metrics"], found["faithfulness"], recorded["samples"] * len(recorded["tasks"])
+    return pd.DataFrame(), pd.DataFrame(), 0

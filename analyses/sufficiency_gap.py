@@ -32,8 +32,7 @@ from probe import faithfulness, tasks
 from probe.faithfulness.masks import KS, top_k_masks
 
 from .comparison import explained
-from .hotpotqa_report import folder_rows
-from .study_files import saved_passes
+from .study_files import folder_rows, saved_passes
 
 
 def sample_rows(

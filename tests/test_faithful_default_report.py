@@ -6,14 +6,14 @@ import pandas as pd
 import pytest
 
 from analyses import faithful_default_report as report
-from analyses.hotpotqa_report import study_folder_of
+from analyses.detector_compare import command_folder
 
 
 def write_study(figures, command: str, model: str, lds_shift: float, top_same: list[bool]) -> pd.DataFrame:
     """A finished study of ``leave_few_out`` and ``leave_one_out`` on 4 samples; the judged detector's LDS
     is leave-one-out's plus ``lds_shift`` plus noise, its top-1 removal leave-one-out's where ``top_same``."""
     rng = np.random.default_rng(0)
-    folder = study_folder_of(model, figures, command)
+    folder = command_folder(model, command, figures)
     folder.mkdir(parents=True)
     rows, metrics = [], []
     for seed, same in zip(range(4), top_same, strict=True):

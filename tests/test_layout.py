@@ -7,7 +7,10 @@
 - the detector registry's private tables (``_REGISTRY``, ``_SHARED``) are touched by its own module only:
   everyone else uses ``register``, ``lookup``, ``replace`` and ``sandbox``;
 - ``bench`` edits no ``sys.path``: it is a package run with ``python -m bench.<name>``;
-- ``probe``'s modules import each other without a circle (at any depth of their code).
+- ``probe``'s modules import each other without a circle (at any depth of their code);
+- a report (``analyses/*_report.py``) is a leaf: no other module of ``analyses`` imports it. Readers
+  that several analyses share (a study folder's rows, a running study's parts) live in
+  ``analyses/study_files.py``.
 """
 
 from __future__ import annotations
@@ -167,12 +170,30 @@ def import_circles(root: Path) -> list[str]:
     return circles
 
 
+def report_imports(root: Path) -> list[str]:
+    """``file: module`` for each module of ``analyses`` that imports a report (``*_report``)."""
+    found = []
+    for path in python_files(root, "analyses"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.rpartition(".")[2].endswith("_report") and path.stem != name.rpartition(".")[2]:
+                    found.append(f"{path.relative_to(root)}: {name}")
+    return found
+
+
 CHECKS = {
     "imports": wrong_imports,
     "size": long_files,
     "registry": private_registry_access,
     "sys.path": path_edits,
     "circles": import_circles,
+    "reports": report_imports,
 }
 
 
@@ -187,6 +208,7 @@ VIOLATIONS = {
     "registry": ("tests/test_bad.py", "from probe.detectors import registry\nregistry._REGISTRY.clear()\n"),
     "sys.path": ("bench/bad.py", "import sys\nsys.path.insert(0, '.')\n"),
     "circles": ("probe/bad.py", "def f():\n    from probe import good\n"),
+    "reports": ("analyses/bad.py", "from .hotpotqa_report import folder_rows\n"),
 }
 
 
