@@ -8,8 +8,7 @@ plausibility (:func:`probe.metrics.plausibility`) and faithfulness (:func:`judge
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,6 @@ import pandas as pd
 import torch
 
 from probe import answer, detectors, faithfulness, given_answer, metrics, stats, tasks
-from probe.checks import hf_model
 
 # one forward+backward a sample
 SHARED_PASS = tuple(name for name in detectors.names() if detectors.shared_pass(name))
@@ -177,21 +175,6 @@ def explained(
     if explain == "own" and greedy["given"]:
         return sample.with_answer(greedy["given"], tokenizer), greedy | {"explained": "own"}
     return sample, greedy | {"explained": "gold"}
-
-
-def forward_seconds(
-    model, sample: tasks.Sample, clock: Callable[[], float] = time.perf_counter, logits_to_keep: int = 1
-) -> float:
-    """Seconds of one plain forward pass over ``sample`` by ``clock`` (wall time; ``time.process_time``
-    for CPU time), best of two: the unit of a detector's cost in forward-pass equivalents.
-    ``logits_to_keep``: the last rows projected to the vocabulary (0: every row, as the peers' unit)."""
-    times = []
-    for _ in range(2):
-        start = clock()
-        with torch.inference_mode():
-            hf_model(model)(input_ids=sample.input_ids[None], use_cache=False, logits_to_keep=logits_to_keep)
-        times.append(clock() - start)
-    return min(times)
 
 
 def judge_faithfulness(

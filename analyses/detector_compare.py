@@ -72,13 +72,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.harness import forward_seconds
 from probe import detectors, faithfulness, tasks
 from probe.checks import model_context
 from probe.errors import InvalidValueError
 from probe.journal import Journal
 
 from .arguments import add_device_arguments, check_device_arguments, check_out, length_setting, load
-from .comparison import DEFAULT_DETECTORS, EXPLAINED, LOO_RANKER, compare_samples, explained, forward_seconds
+from .comparison import DEFAULT_DETECTORS, EXPLAINED, LOO_RANKER, compare_samples, explained
 from .detector_figures import write_outputs
 from .study_files import finished_study, length_of, options_of, rejudged, saved_passes
 from .sweep import finish, job_parts, part_name, sweep

@@ -34,11 +34,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from bench.harness import forward_seconds
 from probe import detectors, faithfulness, load_model, stats, tasks
 from probe.atomic import atomic_write
 from probe.detectors.ablation import pruned_estimate, pruned_sources, weighted_rankings
 
-from .comparison import explained, forward_seconds
+from .comparison import explained
 
 TASKS = ("multihop-4", "kv", "document-2", "key-token", "hotpotqa")
 SHARED = ("key_removal_grad", "information_flow", "attention")

@@ -55,6 +55,7 @@ from adjustText import adjust_text  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 import probe  # noqa: E402
+from bench.harness import forward_seconds  # noqa: E402
 from probe import faithfulness, stats, tasks  # noqa: E402
 from probe.atomic import atomic_write  # noqa: E402
 from probe.errors import InvalidValueError  # noqa: E402
@@ -62,7 +63,7 @@ from probe.models import converted_folder  # noqa: E402
 
 from ..arguments import length_setting  # noqa: E402
 from ..claims import update_results  # noqa: E402
-from ..comparison import EXPLAINED, forward_seconds  # noqa: E402
+from ..comparison import EXPLAINED  # noqa: E402
 from ..study_files import length_of, saved_passes  # noqa: E402
 from . import exchange, peer_io  # noqa: E402
 from .export_samples import heldout_samples  # noqa: E402
