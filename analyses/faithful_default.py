@@ -38,6 +38,7 @@ from bench.harness import forward_seconds
 from probe import detectors, faithfulness, load_model, stats, tasks
 from probe.atomic import atomic_write
 from probe.detectors.ablation import pruned_estimate, pruned_sources, weighted_rankings
+from probe.faithfulness.masks import KS, top_k_masks
 
 from .comparison import explained
 
@@ -56,6 +57,9 @@ RANKER_SETS = (
     WEIGHTED,
 )
 BUDGETS = (1, 2, 3, 4)
+BEFORE_TOP = " + the source before its top"
+#: the candidates whose top-k removals are measured (``--aopc``): name -> (measure, before_top)
+AOPC_SCORERS = {"leave_few_out measure 2": (2, False), f"leave_few_out measure 2{BEFORE_TOP}": (2, True)}
 MASKS = 32
 #: Seeds of the held-out study, the HotpotQA study and the judged run: never development's
 RESERVED_SEEDS = set(range(32)) | set(range(5000, 5006)) | set(range(7100, 7106)) | set(range(8000, 8006))
@@ -140,13 +144,57 @@ def candidates(about: dict, measured: dict) -> list[dict]:
             name = f"{'+'.join(rankers)} top {budget} rest {other}"
             rows.append(row(name, "+".join(rankers), budget, rest, found, cost))
         if rankers == WEIGHTED:  # leave_few_out(measure=budget): the rest as the gradient gives it
-            scores = measured["rankings"][rankers[0]].clone()
-            scores[chosen] = drops[chosen]
-            found = top in chosen.tolist() and int(torch.argmax(scores)) == top
-            with_check = cost + measured["removal"]  # its head's joint removal
-            rows.append(
-                row(f"leave_few_out measure {budget}", "+".join(rankers), budget, scores, found, with_check)
-            )
+            for before_top in (False, True):
+                scores, measured_here = few_out_scores(measured, budget, before_top)
+                found = top in measured_here.tolist() and int(torch.argmax(scores)) == top
+                cost_here = (
+                    cost + (len(measured_here) - len(chosen) + 1) * measured["removal"]
+                )  # + head check
+                name = f"leave_few_out measure {budget}{BEFORE_TOP if before_top else ''}"
+                rows.append(row(name, "+".join(rankers), budget, scores, found, cost_here))
+    return rows
+
+
+def few_out_scores(
+    measured: dict, budget: int, before_top: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``leave_few_out``'s source scores with ``measure`` = ``budget``, Tensor[sources]; the sources it
+    measures, LongTensor) from a sample's saved measurements. ``before_top``: the source just before the
+    measured source of the largest drop is measured too (the sentence the answer's source is read after)."""
+    drops = measured["drops"]
+    chosen = pruned_sources(torch.stack([measured["rankings"][name] for name in WEIGHTED]), budget)
+    if before_top:
+        best = int(chosen[torch.argmax(drops[chosen])])
+        chosen = torch.tensor(list(dict.fromkeys([*chosen.tolist(), *([best - 1] if best > 0 else [])])))
+    scores = measured["rankings"][WEIGHTED[0]].clone()
+    scores[chosen] = drops[chosen]
+    return scores, chosen
+
+
+def aopc_rows(model, tokenizer, about: dict, measured: dict, length: int | None) -> list[dict]:
+    """Comprehensiveness and sufficiency (nats lost with the top k removed / kept alone, k in
+    :data:`~probe.faithfulness.masks.KS`, and their means, the AOPCs) of leave-one-out and of
+    :data:`AOPC_SCORERS` on one sample, its sample made again (its own answer generated again)."""
+    sample, _ = explained(
+        model, tokenizer, tasks.make(about["task"], tokenizer, length, about["seed"], model=model), None
+    )
+    if len(sample.sources) != len(measured["drops"]):
+        raise RuntimeError(f"{about['task']} {about['seed']}: the sample made again has other sources")
+    scorers = {"leave_one_out": measured["drops"]} | {
+        name: few_out_scores(measured, budget, before_top)[0]
+        for name, (budget, before_top) in AOPC_SCORERS.items()
+    }
+    tops = {name: top_k_masks(scores) for name, scores in scorers.items()}
+    none = torch.zeros(1, len(sample.sources), dtype=torch.bool)
+    masks = torch.cat([none, *[torch.cat([top, ~top]) for top in tops.values()]])
+    distinct, back = torch.unique(masks, dim=0, return_inverse=True)
+    logprob = faithfulness.answer_scores(model, sample, distinct).logprob[back]
+    lost = logprob[0] - logprob[1:]
+    rows = []
+    for index, name in enumerate(scorers):
+        comprehensiveness, sufficiency = lost[2 * len(KS) * index :][: 2 * len(KS)].split(len(KS))
+        rows.append({**about, "scorer": name, "aopc_comprehensiveness": float(comprehensiveness.mean()),
+                     "aopc_sufficiency": float(sufficiency.mean())})  # fmt: skip
     return rows
 
 
@@ -180,6 +228,45 @@ def rescored(done: pd.DataFrame, arrays: Path, model: str) -> pd.DataFrame:
     return pd.DataFrame(rows).assign(model=model)
 
 
+def measured_aopcs(args: argparse.Namespace, done: pd.DataFrame) -> pd.DataFrame:
+    """``--aopc``: :func:`aopc_rows` for every sample of ``done`` not yet in ``MODEL-LENGTH_aopc.csv``,
+    then each scorer's AOPCs minus leave-one-out's, paired (comprehensiveness: + = more lost, better;
+    sufficiency: + = less lost, better), with 95 % bootstrap intervals."""
+    table = args.out / f"{args.model}-{args.length}_aopc.csv"
+    found = pd.read_csv(table) if table.exists() else pd.DataFrame(columns=["task", "seed"])
+    model, tokenizer = load_model(args.model)
+    for task, seed in done[["task", "seed"]].drop_duplicates().itertuples(index=False):
+        if ((found.task == task) & (found.seed == seed)).any():
+            continue
+        measured = torch.load(args.out / "arrays" / f"{args.model}-{task}-{seed}.pt")
+        length = None if task in tasks.NATURAL_LENGTH else args.length
+        rows = aopc_rows(model, tokenizer, {"task": task, "seed": int(seed)}, measured, length)
+        found = pd.concat([found, pd.DataFrame(rows).assign(model=args.model)], ignore_index=True)
+        atomic_write(table, lambda tmp, frame=found: frame.to_csv(tmp, index=False))
+        print(f"{task} {seed}: top-k removals measured", flush=True)
+    reference = found.query("scorer == 'leave_one_out'").set_index(["task", "seed"])
+    records = []
+    for scorer, part in found.query("scorer != 'leave_one_out'").groupby("scorer", sort=False):
+        paired = part.set_index(["task", "seed"])
+        differences = {
+            "aopc_comprehensiveness": paired.aopc_comprehensiveness - reference.aopc_comprehensiveness,
+            "aopc_sufficiency": reference.aopc_sufficiency - paired.aopc_sufficiency,
+        }
+        record = {"model": args.model, "scorer": scorer, "samples": len(paired)}
+        for measure, difference in differences.items():
+            estimate = stats.bootstrap(difference.dropna().to_numpy())
+            record |= {
+                measure: estimate.value,
+                f"{measure}_low": estimate.low,
+                f"{measure}_high": estimate.high,
+            }
+        records.append(record)
+    result = pd.DataFrame(records)
+    atomic_write(table.with_name(f"{table.stem}_summary.csv"), lambda tmp: result.to_csv(tmp, index=False))
+    print(result.round(3).to_string(index=False))
+    return result
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -199,9 +286,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         "--complete", action="store_true",
         help="add the rankings added since (the weighted pass) to the saved arrays, then --rescore",
     )  # fmt: skip
+    parser.add_argument(
+        "--aopc", action="store_true",
+        help="measure the top-k removals of leave-one-out and of AOPC_SCORERS on the samples done "
+        "(MODEL-LENGTH_aopc.csv, samples already there kept) and print their paired AOPCs",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.rescore = args.rescore or args.complete
-    if not args.seeds and not args.rescore:
+    if not args.seeds and not (args.rescore or args.aopc):
         parser.error("--seeds: give the development seeds to run (or --rescore)")
     if set(args.seeds) & RESERVED_SEEDS:
         parser.error(
@@ -220,6 +312,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if args.rescore:
         done = rescored(done, args.out / "arrays", args.model)
         atomic_write(table, lambda tmp, frame=done: frame.to_csv(tmp, index=False))
+    if args.aopc:
+        return measured_aopcs(args, done)
     model, tokenizer = (None, None) if args.rescore else load_model(args.model)
     for task, seed in itertools.product(args.tasks, [] if args.rescore else args.seeds):
         if ((done.task == task) & (done.seed == seed)).any():

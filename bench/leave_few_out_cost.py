@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 {
                     "task": task,
                     "seed": seed,
-                    **split(model, tokenizer, tasks.make(task, tokenizer, args.length, seed)),
+                    **split(model, tokenizer, tasks.make(task, tokenizer, args.length, seed, model=model)),
                 }
             )
             print(

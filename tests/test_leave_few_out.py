@@ -132,3 +132,40 @@ def test_development_rescored_from_its_saved_arrays_gives_the_same_rows_and_the_
     added = again[~again.scorer.isin(done.scorer)]
     assert added.scorer.str.contains(later).all() and added.scorer.str.contains("leave_few_out").any()
     assert added[["task", "seed"]].drop_duplicates().shape[0] == 15
+
+
+def test_development_aopcs_equal_one_removal_at_a_time(model, tokenizer, sample):
+    """``--aopc``'s rows (``aopc_rows``: every scorer's top-k masks deduplicated into one call) equal a
+    loop that removes, then keeps, each scorer's top k alone, one ``answer_scores`` call a mask; the
+    candidate measuring the source before its top measures that source exactly."""
+    from analyses import faithful_default
+    from probe.faithfulness.masks import KS
+
+    n = len(sample.sources)
+    generator = torch.Generator().manual_seed(0)
+    drops = torch.randn(n, generator=generator)
+    drops[0] = -5.0  # the source before the top is measured even though its drop is the lowest
+    drops[1] = 9.0
+    rankings = {name: torch.randn(n, generator=generator) for name in faithful_default.WEIGHTED}
+    rankings[faithful_default.WEIGHTED[0]][1] = 100.0  # the top ranker holds source 1
+    measured = {"drops": drops, "rankings": rankings}
+    scores, chosen = faithful_default.few_out_scores(measured, 2, before_top=True)
+    assert 0 in chosen.tolist() and scores[0] == drops[0]
+    about = {"task": "multihop-2", "seed": 1}
+    rows = faithful_default.aopc_rows(model, tokenizer, about, measured, 300)
+    full = float(faithfulness.answer_scores(model, sample, torch.zeros(1, n, dtype=torch.bool)).logprob[0])
+    scorers = {"leave_one_out": drops} | {
+        name: faithful_default.few_out_scores(measured, *options)[0]
+        for name, options in faithful_default.AOPC_SCORERS.items()
+    }
+    assert [row["scorer"] for row in rows] == list(scorers)
+    for row, values in zip(rows, scorers.values(), strict=True):
+        order = torch.argsort(-values, stable=True)
+        lost = {"removed": [], "kept": []}
+        for k in KS:
+            top = torch.zeros(1, n, dtype=torch.bool)
+            top[0, order[:k]] = True
+            for name, mask in (("removed", top), ("kept", ~top)):
+                lost[name].append(full - float(faithfulness.answer_scores(model, sample, mask).logprob[0]))
+        assert row["aopc_comprehensiveness"] == pytest.approx(np.mean(lost["removed"]), abs=1e-4)
+        assert row["aopc_sufficiency"] == pytest.approx(np.mean(lost["kept"]), abs=1e-4)
