@@ -22,6 +22,8 @@ Only development seeds: no sample of the held-out study (seeds 5000–5005), the
         --out figures/studies/faithful_default_dev
     python -m analyses.faithful_default --model smollm2-135m --rescore \
         --out figures/studies/faithful_default_dev    # candidates added later, from the saved arrays
+    python -m analyses.faithful_default --model smollm2-135m --aopc \
+        --out figures/studies/faithful_default_dev    # top-k removals of AOPC_SCORERS beside leave-one-out's
 """
 
 from __future__ import annotations
@@ -147,9 +149,8 @@ def candidates(about: dict, measured: dict) -> list[dict]:
             for before_top in (False, True):
                 scores, measured_here = few_out_scores(measured, budget, before_top)
                 found = top in measured_here.tolist() and int(torch.argmax(scores)) == top
-                cost_here = (
-                    cost + (len(measured_here) - len(chosen) + 1) * measured["removal"]
-                )  # + head check
+                removals = len(measured_here) - len(chosen) + 1  # the source added, the head check
+                cost_here = cost + removals * measured["removal"]
                 name = f"leave_few_out measure {budget}{BEFORE_TOP if before_top else ''}"
                 rows.append(row(name, "+".join(rankers), budget, scores, found, cost_here))
     return rows
