@@ -34,6 +34,9 @@ from probe.detectors.ablation import pruned_sources, weighted_rankings
 from probe.faithfulness import answer_scores
 from probe.probes.attribution import answer_attribution
 
+SHOWN = ("forward_backward", "weighted", "removals", "suffix", "head_check", "head_check_shared", "parts",
+         "leave_few_out")  # fmt: skip
+
 
 def timed(run: Callable[[], object]) -> tuple[float, object]:
     """(wall seconds of ``run()``, what it returned)."""
@@ -81,32 +84,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = []
     for task in args.tasks:
         for seed in args.seeds:
-            rows.append(
-                {
-                    "task": task,
-                    "seed": seed,
-                    **split(model, tokenizer, tasks.make(task, tokenizer, args.length, seed, model=model)),
-                }
-            )
-            print(
-                {
-                    key: round(value, 2) if isinstance(value, float) else value
-                    for key, value in rows[-1].items()
-                },
-                flush=True,
-            )
+            sample = tasks.make(task, tokenizer, args.length, seed, model=model)
+            costs = split(model, tokenizer, sample)
+            print(task, seed, {key: round(value, 2) for key, value in costs.items()}, flush=True)
+            rows.append({"task": task, "seed": seed, **costs})
     table = pd.DataFrame(rows).assign(model=args.model)
-    shown = [
-        "forward_backward",
-        "weighted",
-        "removals",
-        "suffix",
-        "head_check",
-        "head_check_shared",
-        "parts",
-        "leave_few_out",
-    ]
-    print(f"mean over {len(table)} samples, in forward passes:\n{table[shown].mean().round(2).to_string()}")
+    means = table[list(SHOWN)].mean().round(2).to_string()
+    print(f"mean over {len(table)} samples, in forward passes:\n{means}")
     return report(table, args.csv)
 
 
