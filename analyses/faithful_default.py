@@ -40,7 +40,6 @@ from bench.harness import forward_seconds
 from probe import detectors, faithfulness, load_model, stats, tasks
 from probe.atomic import atomic_write
 from probe.detectors.ablation import pruned_estimate, pruned_sources, weighted_rankings
-from probe.faithfulness.masks import KS, top_k_masks
 
 from .comparison import explained
 
@@ -185,18 +184,10 @@ def aopc_rows(model, tokenizer, about: dict, measured: dict, length: int | None)
         name: few_out_scores(measured, budget, before_top)[0]
         for name, (budget, before_top) in AOPC_SCORERS.items()
     }
-    tops = {name: top_k_masks(scores) for name, scores in scorers.items()}
-    none = torch.zeros(1, len(sample.sources), dtype=torch.bool)
-    masks = torch.cat([none, *[torch.cat([top, ~top]) for top in tops.values()]])
-    distinct, back = torch.unique(masks, dim=0, return_inverse=True)
-    logprob = faithfulness.answer_scores(model, sample, distinct).logprob[back]
-    lost = logprob[0] - logprob[1:]
-    rows = []
-    for index, name in enumerate(scorers):
-        comprehensiveness, sufficiency = lost[2 * len(KS) * index :][: 2 * len(KS)].split(len(KS))
-        rows.append({**about, "scorer": name, "aopc_comprehensiveness": float(comprehensiveness.mean()),
-                     "aopc_sufficiency": float(sufficiency.mean())})  # fmt: skip
-    return rows
+    # evaluate's top-k removals (its two LDS masks, the fewest it takes, are not read)
+    judged = faithfulness.evaluate(model, sample, scorers, faithfulness.Judgement(n_masks=2))
+    measures = judged[["scorer", "aopc_comprehensiveness", "aopc_sufficiency"]].to_dict("records")
+    return [{**about, **row} for row in measures]
 
 
 def pass_of(name: str) -> str:
