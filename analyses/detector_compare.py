@@ -72,9 +72,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from bench.harness import forward_seconds
 from probe import detectors, faithfulness, tasks
 from probe.checks import model_context
+from probe.cost import forward_seconds
 from probe.errors import InvalidValueError
 from probe.journal import Journal
 

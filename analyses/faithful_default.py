@@ -36,9 +36,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from bench.harness import forward_seconds
 from probe import detectors, faithfulness, load_model, stats, tasks
 from probe.atomic import atomic_write
+from probe.cost import forward_seconds
 from probe.detectors.ablation import pruned_estimate, pruned_sources, weighted_rankings
 
 from .comparison import explained

@@ -28,8 +28,9 @@ from collections.abc import Callable
 import pandas as pd
 import torch
 
-from bench.harness import forward_seconds, load, report, samples_parser
+from bench.harness import load, report, samples_parser
 from probe import detectors, tasks
+from probe.cost import forward_seconds
 from probe.detectors.ablation import pruned_sources, weighted_rankings
 from probe.faithfulness import answer_scores
 from probe.probes.attribution import answer_attribution

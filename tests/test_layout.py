@@ -8,6 +8,9 @@
   everyone else uses ``register``, ``lookup``, ``replace`` and ``sandbox``;
 - ``bench`` edits no ``sys.path``: it is a package run with ``python -m bench.<name>``;
 - ``probe``'s modules import each other without a circle (at any depth of their code);
+- an analysis that is not a study (``analyses/README.md`` lists the studies) imports no ``bench``,
+  itself or through the analyses it imports: the wheel installs the analyses as ``probe.analyses``,
+  without ``bench`` (``python -m probe.analyses.detector_compare`` must run there);
 - a report (``analyses/*_report.py``) is a leaf: no other module of ``analyses`` imports it. Readers
   that several analyses share (a study folder's rows, a running study's parts) live in
   ``analyses/study_files.py``.
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -105,19 +109,19 @@ def path_edits(root: Path) -> list[str]:
     return found
 
 
-def probe_modules(root: Path) -> dict[str, Path]:
-    """Module name -> file of every module of ``probe`` (a package by its ``__init__``)."""
+def package_modules(root: Path, package: str = "probe") -> dict[str, Path]:
+    """Module name -> file of every module of ``package`` (a package by its ``__init__``)."""
     found = {}
-    for path in python_files(root, "probe"):
+    for path in python_files(root, package):
         parts = path.relative_to(root).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the ``probe`` modules it imports (``from probe.tasks import Sample``: the package
+def import_graph(root: Path, package: str = "probe") -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (``from probe.tasks import Sample``: the package
     ``probe.tasks``; ``from probe import views``: the module ``probe.views``)."""
-    modules = probe_modules(root)
+    modules = package_modules(root, package)
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -147,7 +151,7 @@ def import_circles(root: Path) -> list[str]:
     """Each set of ``probe`` modules that import each other in a circle (a strongly connected component
     of the import graph, Tarjan's algorithm), as their files: ``probe/a.py, probe/b.py``."""
     graph, index, low, stack, circles = import_graph(root), {}, {}, [], []
-    files = {name: str(path.relative_to(root)) for name, path in probe_modules(root).items()}
+    files = {name: str(path.relative_to(root)) for name, path in package_modules(root).items()}
 
     def visit(module: str) -> None:
         index[module] = low[module] = len(index)
@@ -187,6 +191,36 @@ def report_imports(root: Path) -> list[str]:
     return found
 
 
+def studies(root: Path) -> set[str]:
+    """The studies' modules (``analyses.NAME``): those ``analyses/README.md`` names as ``NAME.py``."""
+    readme = root / "analyses" / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.exists() else ""
+    return {f"analyses.{name}" for name in re.findall(r"`(\w+)\.py`", text)}
+
+
+def wheel_imports(root: Path) -> list[str]:
+    """``file: module`` for each analysis outside the studies (and the peers) that imports ``bench``,
+    itself or through the analyses it imports: the wheel ships ``analyses`` as ``probe.analyses`` and
+    no ``bench``."""
+    graph, files = import_graph(root, "analyses"), package_modules(root, "analyses")
+    benched = {
+        name: sorted(m for m in imported_modules(path) if m.split(".")[0] == "bench")
+        for name, path in files.items()
+    }
+    found = []
+    for name in sorted(set(files) - studies(root)):
+        if "peers" in name.split("."):
+            continue
+        seen, todo = set(), [name]
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph[module])
+        found += [f"{files[name].relative_to(root)}: {bench}" for m in sorted(seen) for bench in benched[m]]
+    return found
+
+
 CHECKS = {
     "imports": wrong_imports,
     "size": long_files,
@@ -194,6 +228,7 @@ CHECKS = {
     "sys.path": path_edits,
     "circles": import_circles,
     "reports": report_imports,
+    "wheel": wheel_imports,
 }
 
 
@@ -209,6 +244,7 @@ VIOLATIONS = {
     "sys.path": ("bench/bad.py", "import sys\nsys.path.insert(0, '.')\n"),
     "circles": ("probe/bad.py", "def f():\n    from probe import good\n"),
     "reports": ("analyses/bad.py", "from .hotpotqa_report import folder_rows\n"),
+    "wheel": ("analyses/bad.py", "from bench.harness import load\n"),
 }
 
 

@@ -55,9 +55,9 @@ from adjustText import adjust_text  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 import probe  # noqa: E402
-from bench.harness import forward_seconds  # noqa: E402
 from probe import faithfulness, stats, tasks  # noqa: E402
 from probe.atomic import atomic_write  # noqa: E402
+from probe.cost import forward_seconds  # noqa: E402
 from probe.errors import InvalidValueError  # noqa: E402
 from probe.models import converted_folder  # noqa: E402
 
