@@ -8,10 +8,10 @@ Then every candidate *few-removal* scorer is computed from these without running
 a set of rankers and a budget m, the union of each ranker's top m sources is "measured" (its exact
 drops, read off the exhaustive passes, as a pruned leave-one-out measures them) and every other source
 scores the first ranker's score times the least-squares scale onto the measured drops (AttriBoT's
-estimate, :func:`probe.detectors.ablation.pruned_estimate`). Each candidate's LDS (on the same masks)
-minus leave-one-out's, whether its top source is leave-one-out's, and its cost (its rankers' passes plus
-one removal per measured source) are written per sample; the summary gives the paired LDS difference
-with a 95 % bootstrap interval per model and candidate. Each sample's measurements are kept
+pruning with our scale, :func:`probe.detectors.ablation.pruned_estimate`). Each candidate's LDS (on the
+same masks) minus leave-one-out's, whether its top source is leave-one-out's, and its cost (its rankers'
+passes plus one removal per measured source) are written per sample; the summary gives the paired LDS
+difference with a 95 % bootstrap interval per model and candidate. Each sample's measurements are kept
 (``OUT/arrays/MODEL-TASK-SEED.pt``: drops, masks, log-probabilities, rankings, costs), so that further
 candidates are tried on them without running the model again.
 

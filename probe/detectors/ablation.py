@@ -179,10 +179,11 @@ def pruned_sources(ranking: torch.Tensor, top_m: int) -> torch.Tensor:
 
 
 def pruned_estimate(ranking: torch.Tensor, chosen: torch.Tensor, drops: torch.Tensor) -> torch.Tensor:
-    """Tensor[sources]: pruned leave-one-out's scores (AttriBoT, Liu et al. ICLR 2025): the measured
-    ``drops`` Tensor[chosen] on the ``chosen`` sources (:func:`pruned_sources`), every other source its
-    ``ranking`` score times the least-squares scale that maps the ranking onto the drops (0 when fewer
-    than two were measured)."""
+    """Tensor[sources]: pruned leave-one-out's scores: the measured ``drops`` Tensor[chosen] on the
+    ``chosen`` sources (:func:`pruned_sources`; measuring only a cheap ranking's top sources exactly is
+    AttriBoT's pruning, Liu et al. ICLR 2025), every other source its ``ranking`` score times the
+    least-squares scale that maps the ranking onto the drops (0 when fewer than two were measured; the
+    scale is ours: AttriBoT leaves the rest with the cheap ranking's own scores)."""
     effect = ranking.float().cpu() * pruned_scale(ranking, chosen, drops)
     effect[chosen] = drops
     return effect
