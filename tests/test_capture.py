@@ -274,13 +274,15 @@ def test_bf16_rows_are_recomputed_in_fp32_and_stay_close_to_fp64(tiny):
 
 def test_sliding_layers_attend_in_bands_exactly(monkeypatch):
     """Beyond two windows, a sliding layer's attention runs in bands of one window of queries and their
-    reachable keys (probe.attention._windowed_sdpa); logits and information flow equal eager attention."""
+    reachable keys (probe.attention.kernels.windowed_sdpa); logits and information flow equal eager
+    attention."""
     model = probe.tiny_model("gemma3")  # window 6; layers 0 and 2 slide
     ids = random_ids(model, seq=50)
     targets = torch.tensor([30, 49])
     bands = []
-    real = probe.attention._windowed_sdpa
-    monkeypatch.setattr(probe.attention, "_windowed_sdpa", lambda *a, **k: bands.append(1) or real(*a, **k))
+    real = probe.attention.kernels.windowed_sdpa
+    counted = lambda *a, **k: bands.append(1) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(probe.attention.kernels, "windowed_sdpa", counted)
     flow = probe.information_flow(model, ids, targets)
     assert len(bands) == 2  # the two sliding layers, once each
     assert (flow - information_flow_reference(model, ids, targets)).abs().max() <= 1e-5

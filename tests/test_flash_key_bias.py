@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from probe import attention
-from probe.attention import flash_key_bias, key_biased_mask
+from probe.attention import flash_key_bias, kernels
 from probe.attention.capture import trace
 from probe.attention.flash_key_bias import Excluded, key_biased_attention, unit_runs
 from probe.attention.modifiers import KeyBias, bias_keys
@@ -21,9 +21,10 @@ UNITS[5:12], UNITS[20:31] = N, N + 1  # two multi-token units
 
 
 def reference(query, key, value, mask, bias, rows: slice, keys: slice) -> torch.Tensor:
-    """sdpa (math kernel) under the whole biased mask of :func:`key_biased_mask`, cut to the call."""
+    """sdpa (math kernel) under the whole biased mask of :func:`probe.attention.kernels.key_biased_mask`,
+    cut to the call."""
     causal = torch.zeros(1, 1, N, N).masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), -torch.inf)
-    whole = key_biased_mask(causal if mask is None else mask, query, query, None, bias, UNITS)
+    whole = kernels.key_biased_mask(causal if mask is None else mask, query, query, None, bias, UNITS)
     groups = HEADS // KV_HEADS
     return F.scaled_dot_product_attention(
         query[:, :, rows],
@@ -85,10 +86,10 @@ def on_the_math_kernel(monkeypatch) -> None:
 def test_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(tiny, presence, block, monkeypatch):
     """Tiny Llama (GQA) and Gemma 3 (window 6 < 24 tokens: bands): the gradient of the answer's
     log-probability by the bias, flash kernel against math kernel, to 1e-6; ``block`` 5: the rows of
-    a full layer under a mask run in blocks of 5 (:data:`probe.attention.KEY_BIAS_BLOCK`). With a
+    a full layer under a mask run in blocks of 5 (:data:`probe.attention.kernels.KEY_BIAS_BLOCK`). With a
     trace beside the bias (it rebuilds the answer rows with the bias) the bias's gradient, the
     captured rows and their gradients equal the math kernel's too."""
-    monkeypatch.setattr(attention, "KEY_BIAS_BLOCK", block)
+    monkeypatch.setattr(kernels, "KEY_BIAS_BLOCK", block)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     targets = torch.tensor([21, 22, 23])
     units = torch.arange(24)
@@ -96,7 +97,7 @@ def test_bias_keys_runs_the_flash_kernel_and_matches_the_math_kernel(tiny, prese
     start = torch.where(units >= 24, torch.tensor(presence).log(), 0.0)[None]
     calls = []
     flash = flash_key_bias.key_biased_attention
-    monkeypatch.setattr(attention, "key_biased_attention", lambda *args: calls.append(1) or flash(*args))
+    monkeypatch.setattr(kernels, "key_biased_attention", lambda *args: calls.append(1) or flash(*args))
     layers = list(range(tiny.config.num_hidden_layers))
 
     def gradient(traced: bool) -> tuple[torch.Tensor, dict]:
@@ -130,7 +131,7 @@ def test_the_planned_key_bias_term_holds_the_masks_the_kernel_builds(tiny, block
     """The largest mask a flash call of the key bias builds (the model's rows and the compensated
     copy) is the one :meth:`probe.attention.modifiers.KeyBias.memory` plans for: blocks of ``block`` rows on a
     full layer, one window's band on a sliding one (Gemma 3: window 6 < 25 tokens)."""
-    monkeypatch.setattr(attention, "KEY_BIAS_BLOCK", block)
+    monkeypatch.setattr(kernels, "KEY_BIAS_BLOCK", block)
     n = 25  # a multiple of every block's rows: the last block is whole
     built = []
     compensate = flash_key_bias._with_compensation
@@ -147,6 +148,6 @@ def test_the_planned_key_bias_term_holds_the_masks_the_kernel_builds(tiny, block
         torch.autograd.grad(target_of(tiny, ids, torch.tensor([n - 1])), bias)
     shapes = Shapes.of(tiny)
     planned = KeyBias(bias).memory(shapes, n, 1, False, [KeyBias(bias)])["key_bias"]
-    largest = max(attention.key_bias_mask_elements(window, n) for window in shapes.windows)
+    largest = max(kernels.key_bias_mask_elements(window, n) for window in shapes.windows)
     assert max(built) == largest
     assert planned == largest * (2 * shapes.act_bytes + 1)

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch.nn.attention import flex_attention as flex_api
 
 from probe import attention
-from probe.attention import FLASH, FLEX, flex_key_bias, fused_key_bias, key_biased_mask
+from probe.attention import FLASH, FLEX, flex_key_bias, fused_key_bias
 from probe.attention.capture import trace
 from probe.attention.flex_key_bias import BLOCK_MASK_BYTES, key_biased_flex_attention
+from probe.attention.kernels import key_biased_mask
 from probe.attention.modifiers import KeyBias, bias_keys
 from probe.attention.patterns import Logits
 from probe.attention.shared_state import frozen_parameters

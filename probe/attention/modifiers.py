@@ -25,11 +25,11 @@ from probe.attention import (
     Modifier,
     active_modifiers,
     fused_key_bias,
-    key_bias_mask_elements,
     modify,
     not_reached,
 )
 from probe.attention.flex_key_bias import BLOCK_MASK_BYTES
+from probe.attention.kernels import key_bias_mask_elements
 from probe.checks import check_int, check_integers, check_layers, hf_model, model_context
 from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError
 
@@ -148,8 +148,8 @@ class KeyBias(Modifier):
     ) -> dict[str, int]:
         """With a gradient on the bias (kernels: :func:`probe.attention.fused_key_bias`): on the flash
         kernel one call's masks, the model's and the compensated one, and a boolean one (``m·(2·a + 1)``
-        for the largest call's ``m`` elements, :func:`probe.attention.key_bias_mask_elements`: ``512·n``
-        on a full layer); on FlexAttention what building a block mask holds
+        for the largest call's ``m`` elements, :func:`probe.attention.kernels.key_bias_mask_elements`:
+        ``512·n`` on a full layer); on FlexAttention what building a block mask holds
         (:data:`~probe.attention.flex_key_bias.BLOCK_MASK_BYTES` per pair, ``n²`` pairs a sequence);
         else sdpa's math kernel keeps each layer's full attention and the ``[n, n]``
         later-key mask (``2·H·n²·a + n²``, every layer; one at a time checkpointed), and its backward

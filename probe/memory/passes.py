@@ -22,7 +22,7 @@ input; counted once with ``torch.autograd.graph.saved_tensors_hooks`` on SmolLM2
 ``n > window``, every layer under a key mask, window or padding) also keeps the float mask sdpa
 converts the boolean one to: ``a·n`` bytes per token, one per layer (the *attention_workspace* term).
 Under longprobe's attention function (a trace or a modifier is active) a sliding layer with
-``n > 2·window`` runs in bands of one window of queries (:func:`probe.attention.runs_in_bands`): no
+``n > 2·window`` runs in bands of one window of queries (:func:`probe.attention.kernels.runs_in_bands`): no
 float mask of ``n²``, but each band's mask and sdpa output, ``a(2·window + Hh)`` bytes per token.
 That is the attention of sdpa. Two other paths keep every row's probabilities instead
 (:meth:`~probe.memory.shapes.Shapes.attention_saved`, checked with the same hooks on Gemma 2 and gpt-oss):
@@ -77,7 +77,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from probe.attention import EXACT_BLOCK, runs_in_bands
+from probe.attention.kernels import EXACT_BLOCK, runs_in_bands
 from probe.memory import CHECKPOINT_HEAP_HOLES, MMAP_THRESHOLD_MAX, PLAIN_HEAP_SLACK, _heap_slack
 from probe.memory.shapes import Shapes
 
