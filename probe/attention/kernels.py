@@ -95,6 +95,8 @@ def key_biased_mask(
 
 
 def one_pass(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[int, int]:
+    """(queries, keys) of a layer's call, checked to be one pass over the whole sequence that the key
+    ``bias`` [batch or 1, kv] is for (no KV cache): else an error that says so."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len != kv_len or bias.shape[-1] != kv_len:
         raise InvalidValueError(
@@ -115,7 +117,8 @@ def key_bias_mask_elements(window: int | None, seq_len: int) -> int:
 
 def flash_key_biased_output(query, key, value, attention_mask, logits: Logits, bias, units) -> torch.Tensor:
     """The key-biased attention [batch, q, heads, dim] on the CPU flash kernel, in bands of a window of
-    queries on a sliding layer (:func:`windowed_sdpa`); arguments: :func:`key_biased_flex_attention`'s."""
+    queries on a sliding layer (:func:`windowed_sdpa`); arguments: those of
+    :func:`probe.attention.flex_key_bias.key_biased_flex_attention`."""
     q_len, kv_len = query.shape[2], key.shape[2]
     device, dtype, window = query.device, query.dtype, logits.sliding_window
     runs = unit_runs(units)
