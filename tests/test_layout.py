@@ -124,7 +124,7 @@ def import_graph(root: Path, package: str = "probe") -> dict[str, set[str]]:
     modules = package_modules(root, package)
     graph = {}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        home = name if path.name == "__init__.py" else name.rpartition(".")[0]  # where `.` points
         edges = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
@@ -135,7 +135,7 @@ def import_graph(root: Path, package: str = "probe") -> dict[str, set[str]]:
                     if node.level == 0
                     else ".".join(
                         [
-                            *package.split(".")[: len(package.split(".")) - node.level + 1],
+                            *home.split(".")[: len(home.split(".")) - node.level + 1],
                             *filter(None, [node.module]),
                         ]
                     )
