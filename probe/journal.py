@@ -7,7 +7,8 @@ instead of computing it again, and add what they compute:
 
 - ``{stem}.passes.jsonl``: one JSON line a masked pass (its key, mask, log-probability and whether the
   answer stayed greedy), flushed to disk as each batch of passes finishes; a line cut short by a kill is
-  skipped. The values read back are the ones written, bit for bit.
+  skipped. The values read back are the ones written, bit for bit. A detector some of whose passes an
+  earlier process ran has no measured cost: the registry leaves its ``seconds`` None (:attr:`resumed`).
 - ``{stem}.detections/``: one :meth:`probe.detectors.Detection.save` file a detection, written
   atomically as each detector finishes.
 
@@ -37,6 +38,8 @@ class Journal:
         self.passes_file = stem.with_name(f"{stem.name}.passes.jsonl")
         self.detections_folder = stem.with_name(f"{stem.name}.detections")
         self._passes: dict[tuple[str, str], tuple[float, bool]] = {}
+        #: masked passes read back that an earlier process ran (not those this one wrote and reads again)
+        self.resumed = 0
         text = self.passes_file.read_text() if self.passes_file.exists() else ""
         for line in text.splitlines():
             try:
@@ -44,6 +47,7 @@ class Journal:
             except json.JSONDecodeError:  # the last line of a killed run, cut short
                 continue
             self._passes[entry["key"], entry["removed"]] = (entry["logprob"], entry["correct"])
+        self._from_disk = set(self._passes)
         if text and not text.endswith("\n"):  # end the cut line, so the next pass starts a line of its own
             with self.passes_file.open("a") as file:
                 file.write("\n")
@@ -53,6 +57,7 @@ class Journal:
         self.passes_file.unlink(missing_ok=True)
         shutil.rmtree(self.detections_folder, ignore_errors=True)
         self._passes.clear()
+        self._from_disk.clear()
 
     def __enter__(self) -> Journal:
         self._token = _ACTIVE.set(self)
@@ -64,8 +69,10 @@ class Journal:
     def read_passes(self, key: str, removed: torch.Tensor) -> dict[int, tuple[float, bool]]:
         """Row index → (log-probability, correct) of each mask of ``removed`` BoolTensor[masks, sources]
         held under ``key`` (what the pass depends on besides its mask and the model)."""
-        held = ((index, self._passes.get((key, mask_bits(mask)))) for index, mask in enumerate(removed))
-        return {index: value for index, value in held if value is not None}
+        bits = [(key, mask_bits(mask)) for mask in removed]
+        held = {index: self._passes[entry] for index, entry in enumerate(bits) if entry in self._passes}
+        self.resumed += sum(bits[index] in self._from_disk for index in held)
+        return held
 
     def write_passes(
         self, key: str, removed: torch.Tensor, logprob: torch.Tensor, correct: torch.Tensor

@@ -370,7 +370,9 @@ JOURNALED = ["attention", "key_removal_grad", "lexical_overlap", "leave_one_out"
 def test_a_killed_run_of_detectors_reads_back_those_it_finished(story, tmp_path, passes, monkeypatch):
     """Killed in ``leave_one_out`` (the fourth detector), a journaled :func:`detect_many` has written the
     three before it; run again it reads them (no shared pass), runs the rest, and every detection equals
-    an unjournaled run's (one read back keeps the cost it had when it ran). Other options are not read."""
+    an unjournaled run's (one read back keeps the cost it had when it ran; ``leave_one_out``, two of whose
+    passes the killed run ran, has no measured cost; passes this process ran and reads again leave it
+    measured). Other options are not read."""
     model, sample = story
     options = {"leave_one_out": {"top_m": 3}}
     plain = detectors.detect_many(JOURNALED, model, None, sample, options)
@@ -398,6 +400,11 @@ def test_a_killed_run_of_detectors_reads_back_those_it_finished(story, tmp_path,
             )
     saved = json.loads(next((tmp_path / "job.detections").iterdir()).read_text())
     assert saved["seconds"] in [again[name].seconds for name in JOURNALED]  # the cost it had when it ran
+    assert plain["leave_one_out"].seconds > 0 and again["leave_one_out"].seconds is None
     with journal.Journal(tmp_path / "job"):
         other = detectors.detect_many(["attention"], model, None, sample, {"attention": {"top_k": 3}})
     assert len(shared_passes) == 2 and other["attention"].settings["top_k"] == 3
+    with journal.Journal(tmp_path / "fresh") as fresh:  # passes this process ran, read again: measured
+        detectors.detect("leave_one_out", model, None, sample, top_m=3)
+        twice = detectors.detect("leave_one_out", model, None, sample, top_m=3)
+    assert passes.calls == 2 + 4 and fresh.resumed == 0 and twice.seconds > 0

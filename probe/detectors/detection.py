@@ -30,7 +30,9 @@ class Detection:
     found on (set by the registry; not saved), which :meth:`show` draws. ``rows``: what
     :meth:`to_frame` gives a row for by default, ``"token"`` or ``"source"`` (:func:`attribute`).
     ``seconds``: what it cost, wall time (set by the registry; a detection read off
-    :func:`~probe.detectors.detect_many`'s shared pass gets that pass's time over its samples).
+    :func:`~probe.detectors.detect_many`'s shared pass gets that pass's time over its samples); None
+    where it was not measured: some of its passes were read from a :class:`probe.journal.Journal` an
+    earlier process wrote (a resumed run).
     """
 
     scores: torch.Tensor

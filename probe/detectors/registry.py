@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from probe import journal
 from probe.checks import check_layers, check_option, check_sample_fits, check_tokenizer
 from probe.detectors.detection import Detection
 from probe.errors import InvalidTypeError, InvalidValueError
@@ -152,9 +153,14 @@ def register(name: str, shared_pass: SharedPass | None = None) -> Callable[[Call
             if isinstance(options.get("target"), CHECKED):  # before any model work
                 options["target"].check(sample.input_ids[sample.target_positions], vocabulary_size(model))
             check_sample_fits(model, sample, tokenizer)
+            journaled = journal.active()
+            resumed = journaled.resumed if journaled is not None else 0
             start = time.perf_counter()
             detection = run(model, tokenizer, sample, **options)
-            return finished(detection, name, sample, time.perf_counter() - start, options.get("target"))
+            seconds = time.perf_counter() - start
+            if journaled is not None and journaled.resumed > resumed:  # an earlier process ran some passes
+                seconds = None
+            return finished(detection, name, sample, seconds, options.get("target"))
 
         named.__signature__ = inspect.signature(run)
         takes_ranking = set(RANKING_OPTIONS) <= set(inspect.signature(run).parameters)
