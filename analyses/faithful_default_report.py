@@ -5,13 +5,15 @@ Per model and part (1K held-out tasks, HotpotQA with the model's own answers, 1K
 the paired differences from exhaustive leave-one-out of LDS and of both AOPCs, each with a 95 % bootstrap
 interval, signed so that above 0 is better (comprehensiveness: the scorer's minus leave-one-out's;
 sufficiency: leave-one-out's minus the scorer's, as less kept-top loss is better); the share of samples
-whose top source is leave-one-out's (their top-1 removals lose the same log-probability, so the same source
-was removed); the mean cost in forward-pass equivalents (the detector's seconds over the sample's plain
-forward pass, timed in the same process); and, for the protocol's judged detector, whether it wins:
-LDS's lower end ≥ −0.03, neither AOPC interval wholly below 0, the top source on ≥ 95 % of samples,
-mean cost ≤ 6 forward passes at 1K and ≤ 10 at 4K. Beside them, where its peers' run has finished
-(``bench/results/peers/judged-MODEL-1024/summary.csv``: the same samples scored again by the public
-``context-cite`` 0.0.4 and by ours, every cost in CPU seconds), each method's LDS and forward passes there.
+whose top source is leave-one-out's (their top-1 removals lose the same log-probability, so the same
+source was removed); the mean cost in forward-pass equivalents (the detector's seconds over the sample's
+plain forward pass, timed in the same process; a sample whose detector read passes an earlier, killed
+process ran has no cost of its own and is left out of the mean); and, for the protocol's judged detector,
+whether it wins: LDS's lower end ≥ −0.03, neither AOPC interval wholly below 0, the top source on ≥ 95 %
+of samples, mean cost ≤ 6 forward passes at 1K and ≤ 10 at 4K. Beside them, where its peers' run has
+finished (``bench/results/peers/judged-MODEL-1024/summary.csv``: the same samples scored again by the
+public ``context-cite`` 0.0.4 and by ours, every cost in CPU seconds), each method's LDS and forward
+passes there.
 Writes ``figures/studies/faithful_default_judged.csv``, ``…_peers.csv`` and the tables between RESULTS.md's
 ``judged`` markers.
 
@@ -51,6 +53,7 @@ BUDGET = {"1K": 6.0, "4K": 10.0}
 PEERS = Path("bench/results/peers")  # the judged samples' peers runs: judged-MODEL-1024/
 PEER_METHODS = ("context-cite 0.0.4", JUDGED, "key_removal_banzhaf", "leave_one_out")
 MARKERS = "<!-- judged:start -->", "<!-- judged:end -->"
+ENDS = ("_low", "_high")  # an interval's columns: NAME_low, NAME_high
 
 
 def judged_rows(figures: Path) -> pd.DataFrame:
@@ -125,8 +128,9 @@ def markdown(table: pd.DataFrame) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def interval(row, name: str) -> str:
-        return f"{row[name]:+.2f} [{row[name + '_low']:+.2f}, {row[name + '_high']:+.2f}]"
+    def interval(row, name: str) -> str:  # no interval from one sample: "–"
+        low, high = (f"{row[name + end]:+.2f}" if pd.notna(row[name + end]) else "–" for end in ENDS)
+        return f"{row[name]:+.2f} [{low}, {high}]"
 
     for (model, part), of_part in table.groupby(["model", "part"], sort=False):
         by = of_part.set_index("scorer")
@@ -138,7 +142,8 @@ def markdown(table: pd.DataFrame) -> str:
         lines.append(
             f"| {model} | {part} ({row.samples}) | {interval(row, 'lds')} | "
             f"{interval(row, 'aopc_comprehensiveness')} / {interval(row, 'aopc_sufficiency')} | "
-            f"{row.top_source_found:.0%} | {row.cost:.1f} | {'yes' if row.wins else 'no'} | "
+            f"{row.top_source_found:.0%} | {f'{row.cost:.1f}' if pd.notna(row.cost) else '–'} | "
+            f"{'yes' if row.wins else 'no'} | "
             f"{' | '.join(others)} |"
         )
     return "\n".join(lines)

@@ -9,14 +9,17 @@ from analyses import faithful_default_report as report
 from analyses.detector_compare import command_folder
 
 
-def write_study(figures, command: str, model: str, lds_shift: float, top_same: list[bool]) -> pd.DataFrame:
-    """A finished study of ``leave_few_out`` and ``leave_one_out`` on 4 samples; the judged detector's LDS
-    is leave-one-out's plus ``lds_shift`` plus noise, its top-1 removal leave-one-out's where ``top_same``."""
+def write_study(
+    figures, command: str, model: str, lds_shift: float, top_same: list[bool], cost: float = 4.0
+) -> pd.DataFrame:
+    """A finished study of ``leave_few_out`` and ``leave_one_out`` on one sample a ``top_same`` entry; the
+    judged detector's LDS is leave-one-out's plus ``lds_shift`` plus noise, its top-1 removal leave-one-out's
+    where ``top_same``, its cost ``cost`` forward passes (NaN: not measured, a resumed sample)."""
     rng = np.random.default_rng(0)
     folder = command_folder(model, command, figures)
     folder.mkdir(parents=True)
     rows, metrics = [], []
-    for seed, same in zip(range(4), top_same, strict=True):
+    for seed, same in enumerate(top_same):
         reference = {"lds": rng.uniform(0.5, 0.9), "comprehensiveness_k1": rng.uniform(1, 2),
                      "aopc_comprehensiveness": 1.0, "aopc_sufficiency": 0.5}  # fmt: skip
         mine = {"lds": reference["lds"] + lds_shift + rng.normal(0, 0.001),
@@ -24,7 +27,7 @@ def write_study(figures, command: str, model: str, lds_shift: float, top_same: l
                 "aopc_comprehensiveness": 1.0, "aopc_sufficiency": 0.5}  # fmt: skip
         for scorer, values in (("leave_one_out", reference), ("leave_few_out", mine)):
             rows.append({"task": "kv", "seed": seed, "scorer": scorer, **values})
-            metrics.append({"task": "kv", "seed": seed, "detector": scorer, "seconds": 6.0 if scorer ==
+            metrics.append({"task": "kv", "seed": seed, "detector": scorer, "seconds": 1.5 * cost if scorer ==
                             "leave_few_out" else 30.0, "forward_seconds": 1.5})  # fmt: skip
     pd.DataFrame(rows).to_csv(folder / f"detector_{model}_faithfulness.csv", index=False)
     pd.DataFrame(metrics).to_csv(folder / f"detector_{model}_metrics.csv", index=False)
@@ -36,6 +39,7 @@ def test_the_judged_report_is_computed_from_the_run_files(tmp_path):
     (part, _, command), (_, _, hotpotqa) = report.RUNS[0], report.RUNS[1]
     write_study(figures, command, "smollm2-135m", -0.01, [True] * 4)
     write_study(figures, hotpotqa, "smollm2-135m", -0.2, [True, False, True, True])
+    write_study(figures, command, "qwen2.5-coder-1.5b", 0.02, [True], cost=float("nan"))  # one, resumed
     results = tmp_path / "RESULTS.md"
     results.write_text(f"{report.MARKERS[0]}\nold\n{report.MARKERS[1]}\n")
     peers = tmp_path / "peers" / "judged-smollm2-135m-1024"
@@ -45,7 +49,7 @@ def test_the_judged_report_is_computed_from_the_run_files(tmp_path):
          for m, f in (("context-cite 0.0.4", 44.0), ("leave_few_out", 5.5), ("inseq 0.7.1 saliency", 9.0))]
     ).to_csv(peers / "summary.csv", index=False)  # fmt: skip
     argv = ["--figures", str(figures), "--results", str(results), "--peers", str(tmp_path / "peers")]
-    table = report.main(argv).set_index(["part", "scorer"])
+    table = report.main(argv).query("model == 'smollm2-135m'").set_index(["part", "scorer"])
     held_out = table.loc[(part, "leave_few_out")]
     assert held_out.lds == pytest.approx(-0.01, abs=0.002) and held_out.samples == 4
     assert held_out.top_source_found == 1.0 and held_out.cost == pytest.approx(4.0)
@@ -60,5 +64,8 @@ def test_the_judged_report_is_computed_from_the_run_files(tmp_path):
     assert (figures / "studies" / "faithful_default_judged.csv").exists()
     assert "| smollm2-135m (24) | 0.80 [0.70, 0.90], 44.0 | 0.80 [0.70, 0.90], 5.5 | – | – |" in text
     assert "inseq" not in text
+    one = "| qwen2.5-coder-1.5b | 1K held-out tasks (1) | +0.02 [–, –] | +0.00 [–, –] / +0.00 [–, –] "
+    one += "| 100% | – |"
+    assert one in text  # one sample: no interval; its cost not measured: none
     written = pd.read_csv(figures / "studies" / "faithful_default_judged_peers.csv")
     assert set(written.method) == {"context-cite 0.0.4", "leave_few_out"}
