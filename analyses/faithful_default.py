@@ -59,6 +59,8 @@ RANKER_SETS = (
 )
 BUDGETS = (1, 2, 3, 4)
 BEFORE_TOP = " + the source before its top"
+#: adaptive stopping: measure each ranker's top 1; only if no measured drop reaches this many nats, its top 2
+STOP_AT = (0.5, 1.0, 2.0, 4.0)
 #: the candidates whose top-k removals are measured (``--aopc``): name -> (measure, before_top)
 AOPC_SCORERS = {"leave_few_out measure 2": (2, False), f"leave_few_out measure 2{BEFORE_TOP}": (2, True)}
 MASKS = 32
@@ -145,24 +147,32 @@ def candidates(about: dict, measured: dict) -> list[dict]:
             name = f"{'+'.join(rankers)} top {budget} rest {other}"
             rows.append(row(name, "+".join(rankers), budget, rest, found, cost))
         if rankers == WEIGHTED:  # leave_few_out(measure=budget): the rest as the gradient gives it
-            for before_top in (False, True):
-                scores, measured_here = few_out_scores(measured, budget, before_top)
+            variants = [(False, None), (True, None)] + [(False, stop) for stop in STOP_AT if budget == 2]
+            for before_top, stop_at in variants:
+                scores, measured_here = few_out_scores(measured, budget, before_top, stop_at)
                 found = top in measured_here.tolist() and int(torch.argmax(scores)) == top
-                removals = len(measured_here) - len(chosen) + 1  # the source added, the head check
+                removals = len(measured_here) - len(chosen) + 1  # the sources added, the head check
                 cost_here = cost + removals * measured["removal"]
                 name = f"leave_few_out measure {budget}{BEFORE_TOP if before_top else ''}"
+                if stop_at is not None:
+                    name = f"leave_few_out measure 1, {budget} below {stop_at:g} nats"
                 rows.append(row(name, "+".join(rankers), budget, scores, found, cost_here))
     return rows
 
 
 def few_out_scores(
-    measured: dict, budget: int, before_top: bool = False
+    measured: dict, budget: int, before_top: bool = False, stop_at: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``leave_few_out``'s source scores with ``measure`` = ``budget``, Tensor[sources]; the sources it
     measures, LongTensor) from a sample's saved measurements. ``before_top``: the source just before the
-    measured source of the largest drop is measured too (the sentence the answer's source is read after)."""
+    measured source of the largest drop is measured too (the sentence the answer's source is read after).
+    ``stop_at`` (adaptive stopping): each ranker's top 1 is measured first, its top ``budget`` only if no
+    drop among them reaches ``stop_at`` nats (no one source carries the answer)."""
     drops = measured["drops"]
-    chosen = pruned_sources(torch.stack([measured["rankings"][name] for name in WEIGHTED]), budget)
+    rankings = torch.stack([measured["rankings"][name] for name in WEIGHTED])
+    chosen = pruned_sources(rankings, budget)
+    if stop_at is not None and float(drops[pruned_sources(rankings, 1)].max()) >= stop_at:
+        chosen = pruned_sources(rankings, 1)
     if before_top:
         best = int(chosen[torch.argmax(drops[chosen])])
         chosen = torch.tensor(list(dict.fromkeys([*chosen.tolist(), *([best - 1] if best > 0 else [])])))

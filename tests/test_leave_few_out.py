@@ -134,6 +134,23 @@ def test_development_rescored_from_its_saved_arrays_gives_the_same_rows_and_the_
     assert added[["task", "seed"]].drop_duplicates().shape[0] == 15
 
 
+def test_adaptive_stopping_measures_the_top_twos_only_where_no_top_one_carries_the_answer():
+    """``few_out_scores(stop_at=)``: each ranker's top 1 measured; their top 2 too only if no measured drop
+    reaches ``stop_at`` nats. Measured sources score their drops, the rest the gradient."""
+    from analyses import faithful_default
+
+    gradient, flow = faithful_default.WEIGHTED
+    rankings = {gradient: torch.tensor([6.0, 5, 4, 3, 2, 1]), flow: torch.tensor([1.0, 2, 6, 5, 4, 3])}
+    measured = {"drops": torch.tensor([3.0, 0.5, 1.0, 0.2, 0.1, 0.0]), "rankings": rankings}
+    scores, chosen = faithful_default.few_out_scores(measured, 2, stop_at=2.0)  # source 0 drops 3 nats
+    assert sorted(chosen.tolist()) == [0, 2]
+    assert torch.equal(scores, torch.tensor([3.0, 5, 1.0, 3, 2, 1]))
+    _, chosen = faithful_default.few_out_scores(measured, 2, stop_at=4.0)  # none does: the top 2s too
+    assert sorted(chosen.tolist()) == [0, 1, 2, 3]
+    _, always = faithful_default.few_out_scores(measured, 2)
+    assert sorted(always.tolist()) == [0, 1, 2, 3]
+
+
 def test_development_aopcs_equal_one_removal_at_a_time(model, tokenizer, sample):
     """``--aopc``'s rows (``aopc_rows``: every scorer's top-k masks deduplicated into one call) equal a
     loop that removes, then keeps, each scorer's top k alone, one ``answer_scores`` call a mask; the
