@@ -272,9 +272,7 @@ def ranks_markdown(ranks: pd.DataFrame, intervals: pd.DataFrame) -> str:
 
     def ci(group: str, detector: str, metric: str) -> str:
         row = own.loc[(group, detector, metric)]
-        return (
-            f"{row.value:.2f} [{row.low:.2f}, {row.high:.2f}]" if np.isfinite(row.low) else f"{row.value:.2f}"
-        )
+        return stats.interval_text(row.value, row.low, row.high)
 
     parts = []
     for group, part in ranks.groupby("answer", observed=True):
@@ -325,9 +323,11 @@ def _verdicts_table(faithful: pd.DataFrame, intervals: pd.DataFrame, versus: str
         if (scorer, metric, against) not in every.index:
             return "–"
         row = every.loc[(scorer, metric, against)]
-        text = f"{row.value:.2f} [{row.low:.2f}, {row.high:.2f}]"
+        text = stats.interval_text(row.value, row.low, row.high)
         if not against:
             return text
+        if np.isnan(row.low):  # too few samples for an interval: no verdict
+            return f"{text}, no interval"
         above, below = VERDICT_WORDS[metric]
         return f"{text} {above if row.low > 0 else below if row.high < 0 else 'matches'}"
 

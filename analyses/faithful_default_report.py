@@ -53,7 +53,6 @@ BUDGET = {"1K": 6.0, "4K": 10.0}
 PEERS = Path("bench/results/peers")  # the judged samples' peers runs: judged-MODEL-1024/
 PEER_METHODS = ("context-cite 0.0.4", JUDGED, "key_removal_banzhaf", "leave_one_out")
 MARKERS = "<!-- judged:start -->", "<!-- judged:end -->"
-ENDS = ("_low", "_high")  # an interval's columns: NAME_low, NAME_high
 
 
 def judged_rows(figures: Path) -> pd.DataFrame:
@@ -128,9 +127,8 @@ def markdown(table: pd.DataFrame) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def interval(row, name: str) -> str:  # no interval from one sample: "–"
-        low, high = (f"{row[name + end]:+.2f}" if pd.notna(row[name + end]) else "–" for end in ENDS)
-        return f"{row[name]:+.2f} [{low}, {high}]"
+    def interval(row, name: str) -> str:
+        return stats.row_interval(row, name, signed=True)
 
     for (model, part), of_part in table.groupby(["model", "part"], sort=False):
         by = of_part.set_index("scorer")
@@ -170,7 +168,7 @@ def peers_markdown(peers: pd.DataFrame) -> str:
              "|---" * (len(PEER_METHODS) + 1) + "|"]  # fmt: skip
     for model, of_model in peers.groupby("model", sort=False):
         by = of_model.set_index("method")
-        cells = [f"{by.lds[m]:.2f} [{by.lds_low[m]:.2f}, {by.lds_high[m]:.2f}], {by.forwards[m]:.1f}"
+        cells = [f"{stats.row_interval(by.loc[m], 'lds')}, {by.forwards[m]:.1f}"
                  if m in by.index else "–" for m in PEER_METHODS]  # fmt: skip
         lines.append(f"| {model} ({of_model.samples.max()}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -116,8 +116,7 @@ def answers_markdown(table: pd.DataFrame) -> str:
         "|---|---|---|---|---|",
     ]
     for row in table.itertuples():
-        cells = [f"{getattr(row, c):+.2f} [{getattr(row, c + '_low'):+.2f}, {getattr(row, c + '_high'):+.2f}]"
-                 for c in columns]  # fmt: skip
+        cells = [stats.row_interval(row, column, signed=True) for column in columns]
         lines.append("| " + " | ".join([f"`{row.scorer}`", *cells]) + " |")
     return "\n".join(lines)
 
@@ -161,7 +160,7 @@ def markdown(table: pd.DataFrame, planned: dict[str, int]) -> str:
         ]
         for scorer in [name for name in SHOWN if name in set(part.scorer)]:
             row = part[part.scorer == scorer].iloc[0]
-            paired = f"{row.lds_minus_loo:.2f} [{row.low:.2f}, {row.high:.2f}]"
+            paired = stats.interval_text(row.lds_minus_loo, row.low, row.high)
             interval = "–" if scorer == "leave_one_out" else paired
             cells = [*about, f"`{scorer}`", f"{row.lds:.2f}", interval, f"{row.recall_top2:.2f}"]
             lines.append("| " + " | ".join(cells) + " |")

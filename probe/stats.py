@@ -40,6 +40,26 @@ class Estimate:
         return bool(self.low <= value <= self.high)
 
 
+def interval_text(value: float, low: float, high: float, signed: bool = False) -> str:
+    """``value [low, high]`` to two decimals for a table (``signed``: each with its sign, for differences);
+    ``value`` alone where there is no interval (NaN: fewer than :data:`MIN_UNITS` units), ``–`` without a
+    value."""
+    form = "+.2f" if signed else ".2f"
+    if np.isnan(value):
+        return "–"
+    if np.isnan(low) or np.isnan(high):
+        return format(value, form)
+    return f"{value:{form}} [{low:{form}}, {high:{form}}]"
+
+
+def row_interval(row, name: str, signed: bool = False) -> str:
+    """:func:`interval_text` of a table row's (a pandas Series or an ``itertuples`` row) columns ``name``,
+    ``name_low`` and ``name_high``."""
+    return interval_text(
+        getattr(row, name), getattr(row, f"{name}_low"), getattr(row, f"{name}_high"), signed
+    )
+
+
 def bootstrap(
     *columns,
     statistic: Callable[..., float] = np.mean,

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -110,9 +111,29 @@ def test_verdicts_pair_each_scorer_with_leave_one_out_in_the_protocols_words(com
     }
     assert set(rows) == {*names, "ground_truth", "random_sources"}
     assert rows["leave_one_out"][2] == "–"
-    for scorer, row in paired.iterrows():
-        word = "above" if row.low > 0 else "below" if row.high < 0 else "matches"
-        assert rows[scorer][2] == f"{row.value:.2f} [{row.low:.2f}, {row.high:.2f}] {word}"
+    for scorer, row in paired.iterrows():  # two samples: no interval, so no verdict
+        assert np.isnan(row.low) and rows[scorer][2] == f"{row.value:.2f}, no interval"
+
+
+def test_a_verdict_word_follows_the_paired_interval_and_needs_one():
+    """Six samples: a scorer 0.2 above leave-one-out in LDS is "above", one 0.3 below "below", one within
+    noise "matches"; the two samples answered correctly have no interval, so no word."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for seed in range(6):
+        reference = rng.uniform(0.4, 0.6)
+        for scorer, shift in (("leave_one_out", 0.0), ("up", 0.2), ("down", -0.3), ("same", 0.0)):
+            noise = 0.0 if scorer == "leave_one_out" else rng.normal(0, 0.01)
+            rows.append({"task": "kv", "seed": seed, "scorer": scorer, "correct": seed < 2,
+                         "kind": "detector", "lds": reference + shift + noise,
+                         "aopc_comprehensiveness": 1.0, "aopc_sufficiency": 0.5})  # fmt: skip
+    faithful = pd.DataFrame(rows)
+    text = comparison.verdicts_markdown(faithful, comparison.faithfulness_intervals(faithful))
+    every, correct = (part for part in text.split("### ")[1:3])
+    cells = {line.split("|")[1].strip(" `"): line.split("|")[3].strip() for line in every.splitlines()[4:-1]}
+    assert cells["up"].endswith(" above") and cells["down"].endswith(" below")
+    assert cells["same"].endswith(" matches") and cells["leave_one_out"] == "–"
+    assert correct.startswith("Answered correctly (2 samples)") and "no interval" in correct
 
 
 def test_faithfulness_csv_has_one_row_per_sample_and_scorer(compare_run, names):

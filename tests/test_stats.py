@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from probe.stats import Estimate, bootstrap, correlation, difference
+from probe.stats import Estimate, bootstrap, correlation, difference, interval_text, row_interval
 
 
 def test_the_mean_interval_has_the_normal_width_and_covers_95_percent():
@@ -76,3 +76,20 @@ def test_difference_of_two_independent_groups_has_the_welch_width():
     assert difference([1, 1], [0, 0]) == Estimate(1.0, 1.0, 1.0, 4)
     with pytest.raises(ValueError, match="2 values per group"):
         difference([1.0], [0.0, 1.0])
+
+
+def test_an_interval_is_written_one_way_and_without_one_its_value_alone():
+    """Every table writes an estimate with :func:`interval_text` (or :func:`row_interval` from a
+    row's NAME, NAME_low and NAME_high): two decimals, signs for differences, the value alone where there
+    is no interval (fewer than MIN_UNITS units), ``–`` where there is no value."""
+    import pandas as pd
+
+    assert interval_text(0.123, 0.05, 0.2) == "0.12 [0.05, 0.20]"
+    assert interval_text(-0.01, -0.034, 0.02, signed=True) == "-0.01 [-0.03, +0.02]"
+    few = bootstrap([0.3, 0.5])
+    assert interval_text(few.value, few.low, few.high) == "0.40"
+    assert interval_text(float("nan"), float("nan"), float("nan")) == "–"
+    row = pd.Series({"lds": 0.5, "lds_low": 0.25, "lds_high": 0.75})
+    frame = pd.DataFrame([row])
+    assert row_interval(row, "lds") == "0.50 [0.25, 0.75]"
+    assert row_interval(next(frame.itertuples()), "lds") == "0.50 [0.25, 0.75]"

@@ -196,13 +196,6 @@ def results_markdown(runs: Path) -> str:
     :data:`BEST`'s of LDS and of AOPC of comprehensiveness, CPU seconds and forward passes a sample, and
     the Spearman correlation with our re-implementation."""
 
-    def interval(value: float, low: float, high: float) -> str:
-        return (
-            "–"
-            if math.isnan(value)
-            else f"{value:.2f}" + ("" if math.isnan(low) else f" [{low:.2f}, {high:.2f}]")
-        )
-
     def number(value: float, digits: int = 2) -> str:
         return "–" if math.isnan(value) else f"{value:.{digits}f}"
 
@@ -216,9 +209,9 @@ def results_markdown(runs: Path) -> str:
             reference = row.source == "reference"
             lines.append(
                 f"| {path.parent.name} | {'*' if reference else ''}{row.method}{'*' if reference else ''} "
-                f"| {row.samples} | {interval(row.lds, row.lds_low, row.lds_high)} | {number(row.lds_share)} "
-                f"| {interval(row.lds_minus_best, row.lds_minus_best_low, row.lds_minus_best_high)} "
-                f"| {interval(row.aopc_minus_best, row.aopc_minus_best_low, row.aopc_minus_best_high)} "
+                f"| {row.samples} | {stats.row_interval(row, 'lds')} | {number(row.lds_share)} "
+                f"| {stats.row_interval(row, 'lds_minus_best')} "
+                f"| {stats.row_interval(row, 'aopc_minus_best')} "
                 f"| {number(row.seconds, 1)} | {number(row.forwards, 1)} | {number(row.spearman_vs_ours)} |"
             )
     return "\n".join(lines) if len(lines) > 2 else "(no comparison has finished yet)"
