@@ -171,8 +171,10 @@ def few_out_scores(
     drops = measured["drops"]
     rankings = torch.stack([measured["rankings"][name] for name in WEIGHTED])
     chosen = pruned_sources(rankings, budget)
-    if stop_at is not None and float(drops[pruned_sources(rankings, 1)].max()) >= stop_at:
-        chosen = pruned_sources(rankings, 1)
+    if stop_at is not None:
+        first = pruned_sources(rankings, 1)
+        if float(drops[first].max()) >= stop_at:
+            chosen = first
     if before_top:
         best = int(chosen[torch.argmax(drops[chosen])])
         chosen = torch.tensor(list(dict.fromkeys([*chosen.tolist(), *([best - 1] if best > 0 else [])])))
