@@ -335,9 +335,6 @@ def _verdicts_table(faithful: pd.DataFrame, intervals: pd.DataFrame, versus: str
     means = faithful.reindex(columns=["scorer", *columns]).astype({c: float for c in columns})
     means = means.groupby("scorer").mean().sort_values("lds", ascending=False)
 
-    def number(value: float) -> str:
-        return "–" if np.isnan(value) else f"{value:.2f}"
-
     lines = [
         f"| scorer | LDS | LDS − `{versus}` | share of ceiling | AOPC comp. − `{versus}` "
         f"| AOPC suff. − `{versus}` | top 8 alone give the gold answer |",
@@ -347,8 +344,8 @@ def _verdicts_table(faithful: pd.DataFrame, intervals: pd.DataFrame, versus: str
         name = f"*{scorer}*" if scorer in REFERENCES else f"`{scorer}`"
         against = [interval(scorer, metric, versus) for metric in VERDICT_WORDS]
         lines.append(
-            f"| {name} | {interval(scorer, 'lds')} | {against[0]} | {number(row.lds_share)} "
-            f"| {against[1]} | {against[2]} | {number(row.correct_kept_k8)} |"
+            f"| {name} | {interval(scorer, 'lds')} | {against[0]} | {stats.number_text(row.lds_share)} "
+            f"| {against[1]} | {against[2]} | {stats.number_text(row.correct_kept_k8)} |"
         )
     return "\n".join(lines) + "\n"
 

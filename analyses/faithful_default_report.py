@@ -140,7 +140,7 @@ def markdown(table: pd.DataFrame) -> str:
         lines.append(
             f"| {model} | {part} ({row.samples}) | {interval(row, 'lds')} | "
             f"{interval(row, 'aopc_comprehensiveness')} / {interval(row, 'aopc_sufficiency')} | "
-            f"{row.top_source_found:.0%} | {f'{row.cost:.1f}' if pd.notna(row.cost) else '–'} | "
+            f"{row.top_source_found:.0%} | {stats.number_text(row.cost, 1)} | "
             f"{'yes' if row.wins else 'no'} | "
             f"{' | '.join(others)} |"
         )

@@ -40,6 +40,11 @@ class Estimate:
         return bool(self.low <= value <= self.high)
 
 
+def number_text(value: float, digits: int = 2) -> str:
+    """A number for a table: ``digits`` decimals, ``–`` where there is none (NaN)."""
+    return "–" if np.isnan(value) else f"{value:.{digits}f}"
+
+
 def interval_text(value: float, low: float, high: float, signed: bool = False) -> str:
     """``value [low, high]`` to two decimals for a table (``signed``: each with its sign, for differences);
     ``value`` alone where there is no interval (NaN: fewer than :data:`MIN_UNITS` units), ``–`` without a

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from probe.stats import Estimate, bootstrap, correlation, difference, interval_text, row_interval
+from probe.stats import Estimate, bootstrap, correlation, difference, interval_text, number_text, row_interval
 
 
 def test_the_mean_interval_has_the_normal_width_and_covers_95_percent():
@@ -88,7 +88,8 @@ def test_an_interval_is_written_one_way_and_without_one_its_value_alone():
     assert interval_text(-0.01, -0.034, 0.02, signed=True) == "-0.01 [-0.03, +0.02]"
     few = bootstrap([0.3, 0.5])
     assert interval_text(few.value, few.low, few.high) == "0.40"
-    assert interval_text(float("nan"), float("nan"), float("nan")) == "–"
+    assert interval_text(float("nan"), float("nan"), float("nan")) == "–" == number_text(float("nan"))
+    assert number_text(0.456) == "0.46" and number_text(6.04, 1) == "6.0"
     row = pd.Series({"lds": 0.5, "lds_low": 0.25, "lds_high": 0.75})
     frame = pd.DataFrame([row])
     assert row_interval(row, "lds") == "0.50 [0.25, 0.75]"

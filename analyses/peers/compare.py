@@ -196,9 +196,6 @@ def results_markdown(runs: Path) -> str:
     :data:`BEST`'s of LDS and of AOPC of comprehensiveness, CPU seconds and forward passes a sample, and
     the Spearman correlation with our re-implementation."""
 
-    def number(value: float, digits: int = 2) -> str:
-        return "–" if math.isnan(value) else f"{value:.{digits}f}"
-
     head = (
         "| model, length | method | samples | LDS, 95 % CI | share of ceiling | LDS − `key_removal_banzhaf`,"
         " paired | AOPC comp. (nats) | CPU s a sample | forwards a sample | Spearman vs ours |"
@@ -209,10 +206,11 @@ def results_markdown(runs: Path) -> str:
             reference = row.source == "reference"
             lines.append(
                 f"| {path.parent.name} | {'*' if reference else ''}{row.method}{'*' if reference else ''} "
-                f"| {row.samples} | {stats.row_interval(row, 'lds')} | {number(row.lds_share)} "
+                f"| {row.samples} | {stats.row_interval(row, 'lds')} | {stats.number_text(row.lds_share)} "
                 f"| {stats.row_interval(row, 'lds_minus_best')} "
                 f"| {stats.row_interval(row, 'aopc_minus_best')} "
-                f"| {number(row.seconds, 1)} | {number(row.forwards, 1)} | {number(row.spearman_vs_ours)} |"
+                f"| {stats.number_text(row.seconds, 1)} | {stats.number_text(row.forwards, 1)} "
+                f"| {stats.number_text(row.spearman_vs_ours)} |"
             )
     return "\n".join(lines) if len(lines) > 2 else "(no comparison has finished yet)"
 
