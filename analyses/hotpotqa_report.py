@@ -7,7 +7,10 @@ Per model: the questions done of those planned, the explained answers' exact mat
 model and scorer: LDS, its paired difference from exhaustive leave-one-out with a 95 % bootstrap interval,
 the AOPC of comprehensiveness, and the plausibility against the gold supporting sentences (sentence
 AUROC, recall of the gold sentences in the top 2). Writes ``figures/studies/hotpotqa_summary.csv`` and the
-table between the ``hotpotqa`` markers of RESULTS.md, so that the report quotes the files.
+table between the ``hotpotqa`` markers of RESULTS.md, so that the report quotes the files. Beside it, each
+model's own answers to all 32 questions, measured ahead of the detectors (:data:`ACCURACY`, written by
+``analyses.task_accuracy``, the same greedy answers), and on how many of the questions done the study's
+explained answer is the same one.
 
     python -m analyses.hotpotqa_report
 """
@@ -45,6 +48,10 @@ GOLD = (
 #: the held-out study's folder (generated tasks, gold answers; figures/studies/heldout_protocol.md)
 HELD_OUT = {"smollm2-135m": "detector_smollm2-135m-1024_faffad12"}
 ANSWER_MARKERS = "<!-- answers:start -->", "<!-- answers:end -->"
+ACCURACY_MARKERS = "<!-- hotpotqa-accuracy:start -->", "<!-- hotpotqa-accuracy:end -->"
+#: the four models' answers to the study's questions (``python -m analyses.task_accuracy --tasks hotpotqa
+#: --lengths natural --samples 32 --out figures/studies/hotpotqa_accuracy``)
+ACCURACY = Path("studies") / "hotpotqa_accuracy" / "task_accuracy.csv"
 
 
 def study_folder_of(model: str, figures: Path = Path("figures"), command: str | None = None) -> Path:
@@ -171,6 +178,46 @@ def markdown(table: pd.DataFrame, planned: dict[str, int]) -> str:
     )
 
 
+def answer_accuracy(figures: Path, metrics: pd.DataFrame) -> pd.DataFrame:
+    """Per model: its answers to the study's questions (:data:`ACCURACY`): questions, exact match, token F1,
+    and, over the questions the study has done, how many of its explained answers have the same exact
+    match and F1 (``agree`` of ``done``)."""
+    path = figures / ACCURACY
+    if not path.exists():
+        return pd.DataFrame()
+    answers = pd.read_csv(path, dtype={"length": str})
+    answers = answers[(answers.task == "hotpotqa") & (answers.length == "natural")]
+    explained = metrics.drop_duplicates(["model", "seed"]) if not metrics.empty else pd.DataFrame()
+    rows = []
+    for model, part in answers.groupby("model", sort=False):
+        row = {
+            "model": model,
+            "questions": len(part),
+            "exact_match": part.exact_match.mean(),
+            "f1": part.f1.mean(),
+        }
+        if not explained.empty:
+            both = part.merge(explained[explained.model == model], on="seed", suffixes=("", "_study"))
+            same = (both.exact_match == both.exact_match_study) & (both.f1 - both.f1_study).abs().le(1e-9)
+            row |= {"done": len(both), "agree": int(same.sum())}
+        rows.append(row)
+    return pd.DataFrame(rows).reindex(columns=["model", "questions", "exact_match", "f1", "done", "agree"])
+
+
+def accuracy_markdown(table: pd.DataFrame) -> str:
+    """:func:`answer_accuracy`'s table."""
+    if table.empty:
+        return "Not measured yet."
+    lines = [
+        "| model | questions | exact match | token F1 | the study's explained answers, the same |",
+        "|---|---|---|---|---|",
+    ]
+    for row in table.itertuples():
+        same = "–" if pd.isna(row.done) or not row.done else f"{row.agree:.0f} of {row.done:.0f}"
+        lines.append(f"| {row.model} | {row.questions} | {row.exact_match:.2f} | {row.f1:.2f} | {same} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -188,10 +235,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     atomic_write(
         args.figures / "studies" / "hotpotqa_gold_vs_own.csv", lambda tmp: shift.to_csv(tmp, index=False)
     )
+    accuracy = answer_accuracy(args.figures, metrics)
     if args.results:
         update_results(Path(args.results), markdown(table, planned), MARKERS)
         update_results(Path(args.results), answers_markdown(shift), ANSWER_MARKERS)
-    print(markdown(table, planned), answers_markdown(shift), sep="\n\n")
+        update_results(Path(args.results), accuracy_markdown(accuracy), ACCURACY_MARKERS)
+    print(markdown(table, planned), answers_markdown(shift), accuracy_markdown(accuracy), sep="\n\n")
     return table
 
 

@@ -31,7 +31,8 @@ def test_the_report_is_computed_from_the_study_files(tmp_path):
     results = tmp_path / "RESULTS.md"
     start, end = hotpotqa_report.MARKERS
     first, last = hotpotqa_report.ANSWER_MARKERS
-    results.write_text(f"before\n{first}\n{last}\n{start}\nPREVIOUS TABLE\n{end}\nafter\n")
+    opens, closes = hotpotqa_report.ACCURACY_MARKERS
+    results.write_text(f"before\n{first}\n{last}\n{start}\nPREVIOUS TABLE\n{end}\n{opens}\n{closes}\nafter\n")
     argv = ["--figures", str(tmp_path / "figures"), "--results", str(results), "--models", "m"]
     table = hotpotqa_report.main(argv)
     row = table.set_index("scorer").loc["context_cite"]
@@ -77,3 +78,27 @@ def test_gold_against_own_answers_pairs_the_same_questions(tmp_path, monkeypatch
     assert (found.real_gold_n, found.real_own_n, found.planted_gold_n) == (8, 10, 6)
     assert found.own_minus_gold_low <= found.own_minus_gold <= found.own_minus_gold_high
     assert f"| `context_cite` | {found.planted_gold:+.2f} [" in hotpotqa_report.answers_markdown(table)
+
+
+def test_the_models_answers_to_every_question_beside_the_study_s(tmp_path):
+    """All 32 questions' answers per model (task_accuracy's CSV, other tasks and lengths ignored), and on how
+    many of the questions the study has done its explained answer scores the same."""
+    figures = tmp_path / "figures"
+    (figures / hotpotqa_report.ACCURACY).parent.mkdir(parents=True)
+    answers = pd.DataFrame(
+        [{"model": m, "task": "hotpotqa", "length": "natural", "seed": s, "exact_match": float(s % 2),
+          "f1": 0.5 * (s % 2) + 0.1} for m in ("a", "b") for s in range(4)]
+        + [{"model": "a", "task": "kv", "length": "512", "seed": 0, "exact_match": 1.0, "f1": 1.0}]
+    )  # fmt: skip
+    answers.to_csv(figures / hotpotqa_report.ACCURACY, index=False)
+    study = pd.DataFrame(
+        [{"model": "a", "seed": s, "detector": name, "exact_match": float(s % 2), "f1": 0.5 * (s % 2) + 0.1}
+         for s in range(3) for name in ("x", "y")]
+    )  # fmt: skip
+    study.loc[study.seed == 2, "f1"] = 0.9  # the study's answer to question 2 is another one
+    table = hotpotqa_report.answer_accuracy(figures, study).set_index("model")
+    assert table.loc["a", ["questions", "exact_match", "done", "agree"]].tolist() == [4, 0.5, 3, 2]
+    assert table.loc["a", "f1"] == pytest.approx(0.35) and table.loc["b", "done"] == 0
+    text = hotpotqa_report.accuracy_markdown(table.reset_index())
+    assert "| a | 4 | 0.50 | 0.35 | 2 of 3 |" in text and "| b | 4 | 0.50 | 0.35 | – |" in text
+    assert hotpotqa_report.answer_accuracy(tmp_path / "none", study).empty
