@@ -134,10 +134,12 @@ def summary(metrics: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
     for model, part in faithful.groupby("model"):
         wide = part.pivot_table(index="seed", columns="scorer", values="lds")
         answers = metrics[metrics.model == model].drop_duplicates("seed")
+        right = answers.set_index("seed").exact_match.reindex(wide.index) == 1
         for scorer, scored in part.groupby("scorer"):
             plausible = metrics[(metrics.model == model) & (metrics.detector == scorer)]
-            paired = stats.bootstrap((wide[scorer] - wide["leave_one_out"]).dropna().to_numpy())
-            rows.append({
+            difference = wide[scorer] - wide["leave_one_out"]
+            paired = stats.bootstrap(difference.dropna().to_numpy())
+            row = {
                 "model": model, "scorer": scorer, "questions": len(answers),
                 "exact_match": answers.exact_match.mean(), "f1": answers.f1.mean(),
                 "lds": scored.lds.mean(), "lds_minus_loo": paired.value,
@@ -145,8 +147,32 @@ def summary(metrics: pd.DataFrame, faithful: pd.DataFrame) -> pd.DataFrame:
                 "aopc_comprehensiveness": scored.aopc_comprehensiveness.mean(),
                 "source_auroc": plausible.source_auroc.mean(),
                 "recall_top2": plausible.recall_top2_sources.mean(),
-            })  # fmt: skip
+            }  # fmt: skip
+            for name, chosen in (("correct", right), ("wrong", ~right)):
+                values = difference[chosen].dropna().to_numpy()
+                apart = stats.bootstrap(values) if len(values) else stats.Estimate(*[float("nan")] * 3, 0)
+                row |= {name: apart.value, f"{name}_low": apart.low, f"{name}_high": apart.high,
+                        f"{name}_n": int(chosen.sum())}  # fmt: skip
+            rows.append(row)
     return pd.DataFrame(rows)
+
+
+def split_markdown(table: pd.DataFrame) -> str:
+    """LDS − leave-one-out's (paired, 95 % interval) of the :data:`SHOWN` scorers on the questions a model
+    answered correctly (exact match) and on those it answered wrongly, apart."""
+    lines = [
+        "| model | scorer | answered correctly: LDS − leave-one-out | answered wrongly |",
+        "|---|---|---|---|",
+    ]
+    for model, part in table.groupby("model"):
+        first = part.iloc[0]
+        head = [f"{model} ({first.correct_n} / {first.wrong_n})"]
+        for scorer in [name for name in SHOWN if name in set(part.scorer) and name != "leave_one_out"]:
+            row = part[part.scorer == scorer].iloc[0]
+            cells = [stats.row_interval(row, name, signed=True) for name in ("correct", "wrong")]
+            lines.append("| " + " | ".join([*head, f"`{scorer}`", *cells]) + " |")
+            head = [""]
+    return "\n".join(lines)
 
 
 def markdown(table: pd.DataFrame, planned: dict[str, int]) -> str:
@@ -174,7 +200,10 @@ def markdown(table: pd.DataFrame, planned: dict[str, int]) -> str:
             about = ["", "", ""]
     done = ", ".join(f"{model} {n}" for model, n in table.groupby("model").questions.first().items())
     return (
-        "\n".join(lines) + f"\n\nQuestions done so far: {done}; a running study's intervals are provisional."
+        "\n".join(lines)
+        + f"\n\nQuestions done so far: {done}; a running study's intervals are provisional. The same "
+        "differences on the questions each model answered correctly and wrongly (exact match; their numbers "
+        f"in brackets; – where none):\n\n{split_markdown(table)}"
     )
 
 

@@ -39,9 +39,14 @@ def test_the_report_is_computed_from_the_study_files(tmp_path):
     wide = faithful.pivot_table(index="seed", columns="scorer", values="lds")
     assert row.lds_minus_loo == pytest.approx((wide.context_cite - wide.leave_one_out).mean())
     assert (row.questions, row.exact_match, row.f1) == (4, 0.25, pytest.approx(0.375))
+    difference = wide.context_cite - wide.leave_one_out  # question 0 answered correctly, 1-3 wrongly
+    assert (row.correct_n, row.wrong_n) == (1, 3) and row.correct == pytest.approx(difference[0])
+    assert row.wrong == pytest.approx(difference[1:].mean()) and row.wrong_low <= row.wrong <= row.wrong_high
+    assert np.isnan(row.correct_low)  # one question: a value without an interval
     text = results.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "PREVIOUS TABLE" not in text
     assert f"| m | 4 (4) | 0.25 / 0.38 | `leave_one_out` | {wide.leave_one_out.mean():.2f} | – |" in text
+    assert f"| m (1 / 3) | `context_cite` | {difference[0]:+.2f} | {row.wrong:+.2f} [" in text
     assert (tmp_path / "figures" / "studies" / "hotpotqa_summary.csv").exists()
 
 
@@ -102,3 +107,17 @@ def test_the_models_answers_to_every_question_beside_the_study_s(tmp_path):
     text = hotpotqa_report.accuracy_markdown(table.reset_index())
     assert "| a | 4 | 0.50 | 0.35 | 2 of 3 |" in text and "| b | 4 | 0.50 | 0.35 | – |" in text
     assert hotpotqa_report.answer_accuracy(tmp_path / "none", study).empty
+
+
+def test_a_model_that_answered_nothing_correctly_has_no_correct_group():
+    faithful = pd.DataFrame(
+        [{"model": "m", "seed": s, "scorer": name, "lds": 0.1 * s + (name == "context_cite"),
+          "aopc_comprehensiveness": 0.0} for s in range(4) for name in ("leave_one_out", "context_cite")]
+    )  # fmt: skip
+    metrics = faithful.rename(columns={"scorer": "detector"}).assign(
+        exact_match=0.0, f1=0.2, source_auroc=0.5, recall_top2_sources=0.5
+    )
+    row = hotpotqa_report.summary(metrics, faithful).set_index("scorer").loc["context_cite"]
+    assert (row.correct_n, row.wrong_n, row.wrong) == (0, 4, pytest.approx(1.0)) and np.isnan(row.correct)
+    text = hotpotqa_report.split_markdown(hotpotqa_report.summary(metrics, faithful))
+    assert "| m (0 / 4) | `context_cite` | – | +1.00 [+1.00, +1.00] |" in text
