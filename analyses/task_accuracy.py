@@ -105,7 +105,8 @@ def markdown(results: pd.DataFrame) -> str:
         cells = ["–" if pd.isna(value) else f"{value:.2f}" for value in row]
         lines.append("| " + " | ".join([task, *cells]) + " |")
     n = counts.min() if counts.min() == counts.max() else f"{counts.min()}-{counts.max()}"
-    note = f"\n\nGreedy accuracy, {n} samples per cell (– = not run), random depth.\n"
+    depth = ", random depth" if (results.length != "natural").any() else ""
+    note = f"\n\nGreedy accuracy, {n} samples per cell (– = not run){depth}.\n"
     real = results[results.task.isin(tasks.NATURAL_LENGTH)]
     if real.empty:
         return "\n".join(lines) + note
