@@ -28,6 +28,7 @@ from probe.atomic import atomic_write
 from . import detector_compare
 from .claims import update_results
 from .study_files import folder_rows
+from .task_accuracy import read_results
 
 MARKERS = "<!-- hotpotqa:start -->", "<!-- hotpotqa:end -->"
 SHOWN = ("leave_one_out", "context_cite", "key_removal_banzhaf", "attn_lrp", "lexical_overlap")
@@ -214,7 +215,7 @@ def answer_accuracy(figures: Path, metrics: pd.DataFrame) -> pd.DataFrame:
     path = figures / ACCURACY
     if not path.exists():
         return pd.DataFrame()
-    answers = pd.read_csv(path, dtype={"length": str})
+    answers = read_results(path)
     answers = answers[(answers.task == "hotpotqa") & (answers.length == "natural")]
     explained = metrics.drop_duplicates(["model", "seed"]) if not metrics.empty else pd.DataFrame()
     rows = []
