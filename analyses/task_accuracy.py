@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from probe import tasks
+from probe import stats, tasks
 from probe.atomic import atomic_write
 from probe.models import REAL_MODELS
 
@@ -102,7 +102,7 @@ def markdown(results: pd.DataFrame) -> str:
     header = ["task"] + [f"{model} @ {length}" for model, length in table.columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for task, row in table.iterrows():
-        cells = ["–" if pd.isna(value) else f"{value:.2f}" for value in row]
+        cells = [stats.number_text(value) for value in row]
         lines.append("| " + " | ".join([task, *cells]) + " |")
     n = counts.min() if counts.min() == counts.max() else f"{counts.min()}-{counts.max()}"
     depth = ", random depth" if (results.length != "natural").any() else ""
