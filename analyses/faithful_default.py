@@ -3,7 +3,9 @@
 For each sample: exhaustive leave-one-out (one compacted pass per source: every source's exact drop),
 32 random half masks (the LDS masks), the one-pass detectors' source scores (the shared pass's
 ``key_removal_grad``, ``information_flow`` and ``attention``; ``key_removal_banzhaf`` and ``attn_lrp``,
-one pass each), and a plain forward pass, timed, to express every cost in forward-pass equivalents.
+one pass each; the weighted pass at presence ½; each source's direct effect, :func:`direct_effects`,
+without a backward pass), and a plain forward pass, timed, to express every cost in forward-pass
+equivalents.
 Then every candidate *few-removal* scorer is computed from these without running anything again: for
 a set of rankers and a budget m, the union of each ranker's top m sources is "measured" (its exact
 drops, read off the exhaustive passes, as a pruned leave-one-out measures them) and every other source
@@ -29,6 +31,7 @@ Only development seeds: no sample of the held-out study (seeds 5000–5005), the
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import time
 from pathlib import Path
@@ -38,8 +41,11 @@ import torch
 
 from probe import detectors, faithfulness, load_model, stats, tasks
 from probe.atomic import atomic_write
+from probe.checks import cache_keyword, hf_model
 from probe.cost import forward_seconds
 from probe.detectors.ablation import pruned_estimate, pruned_sources, weighted_rankings
+from probe.faithfulness.compaction import masked_pass
+from probe.target import target_value
 
 from .comparison import explained
 
@@ -57,6 +63,8 @@ RANKER_SETS = (
     ("key_removal_grad", "attn_lrp"),
     WEIGHTED,
 )
+#: each source's direct effect (:func:`direct_effects`): no backward, a step where the answer reads the source
+DIRECT = "direct_effect"
 BUDGETS = (1, 2, 3, 4)
 BEFORE_TOP = " + the source before its top"
 #: adaptive stopping: measure each ranker's top 1; only if no measured drop reaches this many nats, its top 2
@@ -81,6 +89,7 @@ def measure(model, tokenizer, task: str, seed: int, length: int | None) -> tuple
         costs[name] = (time.perf_counter() - start) / unit
     rankings = {name: detection.source_scores(sample) for name, detection in found.items()}
     weighted, costs_weighted = measure_weighted(model, sample, unit)
+    direct, costs_direct = measure_direct(model, sample, unit)
     n = len(sample.sources)
     start = time.perf_counter()
     drops, _ = faithfulness.leave_one_out_drops(model, sample, range(n))
@@ -88,8 +97,8 @@ def measure(model, tokenizer, task: str, seed: int, length: int | None) -> tuple
     kept = faithfulness.random_masks(n, MASKS, seed=seed)
     actual = faithfulness.answer_scores(model, sample, ~kept).logprob
     about = {"task": task, "seed": seed, "sources": n, "tokens": len(sample.input_ids), **answer}
-    return about, {"drops": drops, "kept": kept, "actual": actual, "rankings": rankings | weighted,
-                   "costs": costs | costs_weighted, "removal": removal}  # fmt: skip
+    return about, {"drops": drops, "kept": kept, "actual": actual, "rankings": rankings | weighted | direct,
+                   "costs": costs | costs_weighted | costs_direct, "removal": removal}  # fmt: skip
 
 
 def measure_weighted(model, sample, unit: float) -> tuple[dict, dict]:
@@ -100,21 +109,53 @@ def measure_weighted(model, sample, unit: float) -> tuple[dict, dict]:
     return dict(zip(WEIGHTED, [slope, rankings[1]], strict=True)), dict.fromkeys(WEIGHTED, cost)
 
 
+def direct_effects(model, sample: tasks.Sample) -> torch.Tensor:
+    """Each source's direct effect on the answer, Tensor[sources]: the answer's log-probability lost when
+    the rows after the last source (the question and the answer) no longer see the source's keys, every
+    context token's state kept as in the full pass (an attention knockout at the rows that read the
+    context; removal without its paths through later context tokens). One pass over the context, then
+    its suffix once per source from a copy of the context's cache: no backward pass, and a step, not a
+    slope, where the answer is read off one source."""
+    inner = hf_model(model)
+    ids, targets = sample.input_ids[None], sample.target_positions
+    rows, gold = targets - 1, ids[0, targets]
+    first = max(source.end for source in sample.sources)
+    hidden = torch.zeros(len(sample.sources) + 1, ids.shape[1], dtype=torch.bool)  # the first: none hidden
+    for index, source in enumerate(sample.sources, start=1):
+        hidden[index, source.start : source.end] = True
+    with torch.inference_mode():
+        cache = inner(input_ids=ids[:, :first], use_cache=True, logits_to_keep=1)[cache_keyword(inner)]
+        passes = (masked_pass(inner, ids, mask[None], first, copy.deepcopy(cache), rows) for mask in hidden)
+        logprob = torch.stack([target_value(None, logits[0], gold) for logits in passes]).cpu()
+    return logprob[0] - logprob[1:]
+
+
+def measure_direct(model, sample, unit: float) -> tuple[dict, dict]:
+    """(the :data:`DIRECT` ranking, its cost in forward passes)."""
+    start = time.perf_counter()
+    effects = direct_effects(model, sample)
+    return {DIRECT: effects}, {DIRECT: (time.perf_counter() - start) / unit}
+
+
 def completed(
     model, tokenizer, arrays: Path, model_name: str, task: str, seed: int, length: int | None
 ) -> None:
-    """Add the :data:`WEIGHTED` rankings to a sample's saved measurements that lack them (rankings added
-    after it ran): its sample made again, its own answer generated again, one pass."""
+    """Add the :data:`WEIGHTED` and :data:`DIRECT` rankings to a sample's saved measurements that lack
+    them (rankings added after it ran): its sample made again, its own answer generated again."""
     path = arrays / f"{model_name}-{task}-{seed}.pt"
     measured = torch.load(path)
-    if set(WEIGHTED) <= set(measured["rankings"]):
+    missing = [measure for names, measure in ((WEIGHTED, measure_weighted), ((DIRECT,), measure_direct))
+               if not set(names) <= set(measured["rankings"])]  # fmt: skip
+    if not missing:
         return
     sample, _ = explained(model, tokenizer, tasks.make(task, tokenizer, length, seed, model=model), None)
     if len(sample.sources) != len(measured["drops"]):
         raise RuntimeError(f"{path.name}: the sample made again has other sources than the one measured")
-    weighted, costs = measure_weighted(model, sample, forward_seconds(model, sample))
-    measured["rankings"] |= weighted
-    measured["costs"] |= costs
+    unit = forward_seconds(model, sample)
+    for measure_more in missing:
+        rankings, costs = measure_more(model, sample, unit)
+        measured["rankings"] |= rankings
+        measured["costs"] |= costs
     atomic_write(path, lambda tmp: torch.save(measured, tmp))
 
 
@@ -157,6 +198,16 @@ def candidates(about: dict, measured: dict) -> list[dict]:
                 if stop_at is not None:
                     name = f"leave_few_out measure 1, {budget} below {stop_at:g} nats"
                 rows.append(row(name, "+".join(rankers), budget, scores, found, cost_here))
+    if DIRECT in measured["rankings"]:  # its top measured exactly, the rest as the direct effects give them
+        direct = measured["rankings"][DIRECT]
+        for budget in BUDGETS:
+            chosen = pruned_sources(direct[None], budget)
+            scores = direct.clone()
+            scores[chosen] = drops[chosen]
+            found = top in chosen.tolist() and int(torch.argmax(scores)) == top
+            # its context pass holds the full context and every removal's prefix; one more: the head check
+            cost = measured["costs"][DIRECT] + (len(chosen) + 1) * measured["removal"]
+            rows.append(row(f"{DIRECT} measure {budget}", DIRECT, budget, scores, found, cost))
     return rows
 
 
@@ -203,7 +254,7 @@ def aopc_rows(model, tokenizer, about: dict, measured: dict, length: int | None)
 
 
 def pass_of(name: str) -> str:
-    """The pass a ranking is read off: the shared pass, the weighted one, or its detector's own."""
+    """The pass a ranking is read off: the shared pass, the weighted one, or its own."""
     return "shared" if name in SHARED else "weighted" if name in WEIGHTED else name
 
 
@@ -288,7 +339,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     )  # fmt: skip
     parser.add_argument(
         "--complete", action="store_true",
-        help="add the rankings added since (the weighted pass) to the saved arrays, then --rescore",
+        help="add the rankings added since (the weighted pass, the direct effects) to the saved arrays, "
+        "then --rescore",
     )  # fmt: skip
     parser.add_argument(
         "--aopc", action="store_true",

@@ -51,11 +51,14 @@ def embedding_grad_reference(model, input_ids, targets, p=2) -> torch.Tensor:
     return embeds.grad[0].norm(p=p, dim=-1)
 
 
-def explicit_masks(model, seq: int, hidden=(), window: int | None = None) -> dict[str, torch.Tensor]:
+def explicit_masks(
+    model, seq: int, hidden=(), window: int | None = None, hidden_from: int = 0
+) -> dict[str, torch.Tensor]:
     """Additive masks [1, 1, seq, seq] by layer type, built entry by entry with Python loops.
 
     Query i sees key j iff j ≤ i, j is within the layer's own sliding window and within ``window``,
-    and j is not in ``hidden`` unless j = i. Keys are the layer types of ``config.layer_types``
+    and j is not in ``hidden`` unless j = i or i < ``hidden_from`` (the queries before it see every
+    key). Keys are the layer types of ``config.layer_types``
     ("full_attention" / "sliding_attention"), the form transformers accepts as ``attention_mask``.
     """
     config = model.config.get_text_config()
@@ -66,18 +69,18 @@ def explicit_masks(model, seq: int, hidden=(), window: int | None = None) -> dic
         for i in range(seq):
             for j in range(i + 1):
                 visible = (own is None or j > i - own) and (window is None or j > i - window)
-                if visible and (j == i or j not in hidden):
+                if visible and (j == i or j not in hidden or i < hidden_from):
                     mask[0, 0, i, j] = 0.0
         masks[layer_type] = mask
     return masks
 
 
-def masked_eager_forward(model, input_ids, hidden=(), window=None, heads=()):
+def masked_eager_forward(model, input_ids, hidden=(), window=None, heads=(), hidden_from=0):
     """Eager forward under :func:`explicit_masks`, with ``heads`` [(layer, head)] zeroed at o_proj's input.
 
     Returns (attentions [L] of [1, H, S, S], logits [1, S, vocab]).
     """
-    masks = explicit_masks(model, input_ids.shape[1], hidden, window)
+    masks = explicit_masks(model, input_ids.shape[1], hidden, window, hidden_from)
     mask = masks if len(masks) > 1 else next(iter(masks.values()))
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -131,9 +134,11 @@ def tokens_starting_in(starts: list[int | None], char_span: tuple[int, int]) -> 
 COMPACT_ATOL = 1e-4  # nats, fp32: compaction against key masking
 
 
-def eager_answer_logprob(model, sample, hidden) -> float:
-    """Σ log P(gold answer token) from an eager forward with the hidden keys masked by hand."""
-    _, logits = masked_eager_forward(model, sample.input_ids[None], hidden=set(hidden))
+def eager_answer_logprob(model, sample, hidden, hidden_from: int = 0) -> float:
+    """Σ log P(gold answer token) from an eager forward with the hidden keys masked by hand (from the
+    queries at ``hidden_from`` on)."""
+    ids = sample.input_ids[None]
+    _, logits = masked_eager_forward(model, ids, hidden=set(hidden), hidden_from=hidden_from)
     targets = sample.target_positions
     logprobs = logits[0, targets - 1].log_softmax(-1)
     return float(logprobs.gather(-1, sample.input_ids[targets, None]).sum().detach())
