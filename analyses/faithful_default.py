@@ -199,11 +199,8 @@ def candidates(about: dict, measured: dict) -> list[dict]:
                     name = f"leave_few_out measure 1, {budget} below {stop_at:g} nats"
                 rows.append(row(name, "+".join(rankers), budget, scores, found, cost_here))
     if DIRECT in measured["rankings"]:  # its top measured exactly, the rest as the direct effects give them
-        direct = measured["rankings"][DIRECT]
         for budget in BUDGETS:
-            chosen = pruned_sources(direct[None], budget)
-            scores = direct.clone()
-            scores[chosen] = drops[chosen]
+            scores, chosen = few_out_scores(measured, budget, rankers=(DIRECT,))
             found = top in chosen.tolist() and int(torch.argmax(scores)) == top
             # its context pass holds the full context and every removal's prefix; one more: the head check
             cost = measured["costs"][DIRECT] + (len(chosen) + 1) * measured["removal"]
@@ -212,15 +209,20 @@ def candidates(about: dict, measured: dict) -> list[dict]:
 
 
 def few_out_scores(
-    measured: dict, budget: int, before_top: bool = False, stop_at: float | None = None
+    measured: dict,
+    budget: int,
+    before_top: bool = False,
+    stop_at: float | None = None,
+    rankers: tuple[str, ...] = WEIGHTED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``leave_few_out``'s source scores with ``measure`` = ``budget``, Tensor[sources]; the sources it
     measures, LongTensor) from a sample's saved measurements. ``before_top``: the source just before the
     measured source of the largest drop is measured too (the sentence the answer's source is read after).
     ``stop_at`` (adaptive stopping): each ranker's top 1 is measured first, its top ``budget`` only if no
-    drop among them reaches ``stop_at`` nats (no one source carries the answer)."""
+    drop among them reaches ``stop_at`` nats (no one source carries the answer). ``rankers``: the saved
+    rankings whose tops are measured, the first scoring the rest (:data:`DIRECT` alone: its own candidate)."""
     drops = measured["drops"]
-    rankings = torch.stack([measured["rankings"][name] for name in WEIGHTED])
+    rankings = torch.stack([measured["rankings"][name] for name in rankers])
     chosen = pruned_sources(rankings, budget)
     if stop_at is not None:
         first = pruned_sources(rankings, 1)
@@ -229,7 +231,7 @@ def few_out_scores(
     if before_top:
         best = int(chosen[torch.argmax(drops[chosen])])
         chosen = torch.tensor(list(dict.fromkeys([*chosen.tolist(), *([best - 1] if best > 0 else [])])))
-    scores = measured["rankings"][WEIGHTED[0]].clone()
+    scores = measured["rankings"][rankers[0]].clone()
     scores[chosen] = drops[chosen]
     return scores, chosen
 
