@@ -10,7 +10,9 @@ AUROC, recall of the gold sentences in the top 2). Writes ``figures/studies/hotp
 table between the ``hotpotqa`` markers of RESULTS.md, so that the report quotes the files. Beside it, each
 model's own answers to all 32 questions, measured ahead of the detectors (:data:`ACCURACY`, written by
 ``analyses.task_accuracy``, the same greedy answers), and on how many of the questions done the study's
-explained answer is the same one.
+explained answer is the same one. The public packages scored on a model's questions once its part has
+finished (the protocol's amendment: ``PEERS/hotpotqa-MODEL/``, judged on the study's own masked passes)
+join its scorers (:func:`peer_rows`).
 
     python -m analyses.hotpotqa_report
 """
@@ -27,11 +29,13 @@ from probe.atomic import atomic_write
 
 from . import detector_compare
 from .claims import update_results
+from .peers.exchange import key_fields
 from .study_files import folder_rows
 from .task_accuracy import read_results
 
 MARKERS = "<!-- hotpotqa:start -->", "<!-- hotpotqa:end -->"
-SHOWN = ("leave_one_out", "context_cite", "key_removal_banzhaf", "attn_lrp", "lexical_overlap")
+PUBLIC = "context-cite 0.0.4"  # the public package's row name in a peers run
+SHOWN = ("leave_one_out", "context_cite", PUBLIC, "key_removal_banzhaf", "attn_lrp", "lexical_overlap")
 MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 #: the protocol's natural-length command; ``qwen2.5-coder-1.5b`` runs it without ``at2`` (no head weights)
 NATURAL = (
@@ -53,6 +57,8 @@ ACCURACY_MARKERS = "<!-- hotpotqa-accuracy:start -->", "<!-- hotpotqa-accuracy:e
 #: the four models' answers to the study's questions (``python -m analyses.task_accuracy --tasks hotpotqa
 #: --lengths natural --samples 32 --out figures/studies/hotpotqa_accuracy``)
 ACCURACY = Path("studies") / "hotpotqa_accuracy" / "task_accuracy.csv"
+#: the peers runs on the study's questions: hotpotqa-MODEL/peers.csv (``analyses.peers.compare``)
+PEERS = Path("bench/results/peers")
 
 
 def study_folder_of(model: str, figures: Path = Path("figures"), command: str | None = None) -> Path:
@@ -78,6 +84,22 @@ def study_rows(
     if not faithful:
         return pd.DataFrame(), pd.DataFrame(), planned
     return pd.concat(metrics, ignore_index=True), pd.concat(faithful, ignore_index=True), planned
+
+
+def peer_rows(peers: Path, models: tuple[str, ...] = MODELS) -> pd.DataFrame:
+    """The public packages' faithfulness rows on the study's questions, as the study's own rows (model, task,
+    seed, scorer, lds, aopc_comprehensiveness), for each model whose peers run has finished
+    (``peers/hotpotqa-MODEL/peers.csv``; its own detectors' rows are left out: the study has them)."""
+    found = []
+    for model in models:
+        path = peers / f"hotpotqa-{model}" / "peers.csv"
+        if path.exists():
+            table = pd.read_csv(path)
+            table = table[table.source == "peer"].reset_index(drop=True)
+            fields = table["sample"].map(key_fields)  # (task, length, seed)
+            found.append(table.assign(model=model, task=fields.str[0], seed=fields.str[2]))
+    columns = ["model", "task", "seed", "scorer", "lds", "aopc_comprehensiveness"]
+    return pd.concat(found, ignore_index=True)[columns] if found else pd.DataFrame(columns=columns)
 
 
 def paired_to_reference(faithful: pd.DataFrame, scorer: str) -> pd.Series:
@@ -196,7 +218,7 @@ def markdown(table: pd.DataFrame, planned: dict[str, int]) -> str:
             row = part[part.scorer == scorer].iloc[0]
             paired = stats.interval_text(row.lds_minus_loo, row.low, row.high)
             interval = "–" if scorer == "leave_one_out" else paired
-            cells = [*about, f"`{scorer}`", f"{row.lds:.2f}", interval, f"{row.recall_top2:.2f}"]
+            cells = [*about, f"`{scorer}`", f"{row.lds:.2f}", interval, stats.number_text(row.recall_top2)]
             lines.append("| " + " | ".join(cells) + " |")
             about = ["", "", ""]
     done = ", ".join(f"{model} {n}" for model, n in table.groupby("model").questions.first().items())
@@ -255,8 +277,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--figures", type=Path, default=Path("figures"))
     parser.add_argument("--results", default="RESULTS.md", help="file with the hotpotqa markers ('' to skip)")
     parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--peers", type=Path, default=PEERS, help="the peers runs' folder (PEERS)")
     args = parser.parse_args(argv)
     metrics, faithful, planned = study_rows(args.figures, tuple(args.models))
+    public = peer_rows(args.peers, tuple(args.models))
+    if not public.empty and not faithful.empty:
+        faithful = pd.concat([faithful, public[public.model.isin(set(faithful.model))]], ignore_index=True)
     table = summary(metrics, faithful) if not faithful.empty else pd.DataFrame()
     atomic_write(
         args.figures / "studies" / "hotpotqa_summary.csv", lambda tmp: table.to_csv(tmp, index=False)

@@ -28,16 +28,28 @@ def test_the_report_is_computed_from_the_study_files(tmp_path):
     metrics.to_csv(folder / "detector_m-natural_metrics.csv", index=False)
     faithful.assign(lds=9.0).to_csv(other / "detector_m-natural_faithfulness.csv", index=False)
     metrics.to_csv(other / "detector_m-natural_metrics.csv", index=False)
+    peers = tmp_path / "peers"  # a peers run on the study's questions: its public package joins the scorers
+    (peers / "hotpotqa-m").mkdir(parents=True)
+    public = pd.DataFrame(
+        [{"sample": f"hotpotqa-None-{s}", "scorer": scorer, "source": source, "lds": rng.uniform(-1, 1),
+          "aopc_comprehensiveness": 0.0} for s in range(4)
+         for scorer, source in ((hotpotqa_report.PUBLIC, "peer"), ("context_cite", "longprobe"))]
+    )  # fmt: skip
+    public.to_csv(peers / "hotpotqa-m" / "peers.csv", index=False)
     results = tmp_path / "RESULTS.md"
     start, end = hotpotqa_report.MARKERS
     first, last = hotpotqa_report.ANSWER_MARKERS
     opens, closes = hotpotqa_report.ACCURACY_MARKERS
     results.write_text(f"before\n{first}\n{last}\n{start}\nPREVIOUS TABLE\n{end}\n{opens}\n{closes}\nafter\n")
     argv = ["--figures", str(tmp_path / "figures"), "--results", str(results), "--models", "m"]
-    table = hotpotqa_report.main(argv)
+    table = hotpotqa_report.main([*argv, "--peers", str(peers)])
     row = table.set_index("scorer").loc["context_cite"]
     wide = faithful.pivot_table(index="seed", columns="scorer", values="lds")
     assert row.lds_minus_loo == pytest.approx((wide.context_cite - wide.leave_one_out).mean())
+    peer = table.set_index("scorer").loc[hotpotqa_report.PUBLIC]  # the study's own context_cite row stays
+    by_seed = public[public.source == "peer"].lds.to_numpy()
+    assert peer.lds_minus_loo == pytest.approx((by_seed - wide.leave_one_out.to_numpy()).mean())
+    assert np.isnan(peer.recall_top2) and (peer.questions, peer.correct_n) == (4, 1)
     assert (row.questions, row.exact_match, row.f1) == (4, 0.25, pytest.approx(0.375))
     difference = wide.context_cite - wide.leave_one_out  # question 0 answered correctly, 1-3 wrongly
     assert (row.correct_n, row.wrong_n) == (1, 3) and row.correct == pytest.approx(difference[0])
@@ -47,6 +59,8 @@ def test_the_report_is_computed_from_the_study_files(tmp_path):
     assert text.startswith("before\n") and text.endswith("after\n") and "PREVIOUS TABLE" not in text
     assert f"| m | 4 (4) | 0.25 / 0.38 | `leave_one_out` | {wide.leave_one_out.mean():.2f} | – |" in text
     assert f"| m (1 / 3) | `context_cite` | {difference[0]:+.2f} | {row.wrong:+.2f} [" in text
+    assert f"| `{hotpotqa_report.PUBLIC}` | {peer.lds:.2f} | {peer.lds_minus_loo:.2f} [" in text
+    assert f"{peer.high:.2f}] | – |" in text  # no plausibility: the peers run scores no tokens
     assert (tmp_path / "figures" / "studies" / "hotpotqa_summary.csv").exists()
 
 

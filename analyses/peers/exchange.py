@@ -38,10 +38,11 @@ def sample_key(sample: Sample) -> str:
     return f"{sample.task}-{sample.length}-{sample.seed}"
 
 
-def key_fields(key: str) -> tuple[str, int, int]:
-    """The task, length and seed of a :func:`sample_key` (a task's name may hold "-")."""
+def key_fields(key: str) -> tuple[str, int | None, int]:
+    """The task, length (None: a real question's own length) and seed of a :func:`sample_key` (a task's
+    name may hold "-")."""
     task, length, seed = key.rsplit("-", 2)
-    return task, int(length), int(seed)
+    return task, None if length == "None" else int(length), int(seed)
 
 
 def export(samples: Sequence[Sample], model_folder: str | Path, path: str | Path) -> Path:
