@@ -12,7 +12,7 @@ from probe.attention.capture import trace
 from probe.attention.flash_key_bias import Excluded, key_biased_attention, unit_runs
 from probe.attention.modifiers import KeyBias, bias_keys
 from probe.attention.shared_state import frozen_parameters
-from probe.memory.shapes import Shapes
+from probe.shapes import Shapes
 from probe.target import target_of
 
 N, HEADS, KV_HEADS, DIM = 40, 4, 2, 8

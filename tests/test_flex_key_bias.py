@@ -28,8 +28,8 @@ from probe.attention.kernels import key_biased_mask
 from probe.attention.modifiers import KeyBias, bias_keys
 from probe.attention.patterns import Logits
 from probe.attention.shared_state import frozen_parameters
-from probe.memory.shapes import Shapes
 from probe.probes.key_removal import key_removal_gradient
+from probe.shapes import Shapes
 
 N, HEADS, KV_HEADS, DIM, SCALE = 40, 4, 2, 8, 0.3
 UNITS = torch.arange(N)

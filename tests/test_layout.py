@@ -7,7 +7,9 @@
 - the detector registry's private tables (``_REGISTRY``, ``_SHARED``) are touched by its own module only:
   everyone else uses ``register``, ``lookup``, ``replace`` and ``sandbox``;
 - ``bench`` edits no ``sys.path``: it is a package run with ``python -m bench.<name>``;
-- ``probe``'s modules import each other without a circle (at any depth of their code);
+- ``probe``'s modules import each other without a circle (at any depth of their code), and so do its
+  parts (sub-packages and top-level modules), but for the one import :data:`UPWARD` names: the parts stand
+  in layers, each importing only those below it;
 - an analysis that is not a study (``analyses/README.md`` lists the studies) imports no ``bench``,
   itself or through the analyses it imports: the wheel installs the analyses as ``probe.analyses``,
   without ``bench`` (``python -m probe.analyses.detector_compare`` must run there);
@@ -29,6 +31,8 @@ MAX_LINES = 450
 PACKAGES = ("probe", "analyses", "bench", "tests")
 FORBIDDEN_IMPORTS = {"probe": ("analyses", "bench"), "bench": ("analyses",)}
 PRIVATE = ("_REGISTRY", "_SHARED")
+#: the one import against the order of ``probe``'s parts: the key-token task is found by a probe (LSD)
+UPWARD = {("probe.tasks.key_token", "probe.probes.lsd")}
 REGISTRY = Path("probe/detectors/registry.py")
 
 
@@ -147,31 +151,58 @@ def import_graph(root: Path, package: str = "probe") -> dict[str, set[str]]:
     return graph
 
 
-def import_circles(root: Path) -> list[str]:
-    """Each set of ``probe`` modules that import each other in a circle (a strongly connected component
-    of the import graph, Tarjan's algorithm), as their files: ``probe/a.py, probe/b.py``."""
-    graph, index, low, stack, circles = import_graph(root), {}, {}, [], []
-    files = {name: str(path.relative_to(root)) for name, path in package_modules(root).items()}
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph`` (node -> the nodes it points to): each strongly connected component of
+    more than one node (Tarjan's algorithm)."""
+    index, low, stack, circles = {}, {}, [], []
 
-    def visit(module: str) -> None:
-        index[module] = low[module] = len(index)
-        stack.append(module)
-        for other in graph[module]:
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
             if other not in index:
                 visit(other)
-                low[module] = min(low[module], low[other])
+                low[node] = min(low[node], low[other])
             elif other in stack:
-                low[module] = min(low[module], index[other])
-        if low[module] == index[module]:
-            component = stack[stack.index(module) :]
-            del stack[stack.index(module) :]
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
             if len(component) > 1:
-                circles.append(", ".join(sorted(files[name] for name in component)))
+                circles.append(component)
 
-    for module in sorted(graph):
-        if module not in index:
-            visit(module)
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
     return circles
+
+
+def import_circles(root: Path) -> list[str]:
+    """Each set of ``probe`` modules that import each other in a circle, as their files:
+    ``probe/a.py, probe/b.py``."""
+    files = {name: str(path.relative_to(root)) for name, path in package_modules(root).items()}
+    return [
+        ", ".join(sorted(files[name] for name in circle)) for circle in strongly_connected(import_graph(root))
+    ]
+
+
+def layer_circles(root: Path) -> list[str]:
+    """Each set of ``probe``'s parts (its sub-packages and top-level modules: ``probe/attention/``,
+    ``probe/target.py``) that import each other in a circle, :data:`UPWARD` apart; ``probe/__init__.py``,
+    which hands every part's names on, is none of them."""
+    part = {}
+    for name in package_modules(root):
+        if name != "probe":
+            top = root / "probe" / name.split(".")[1]
+            part[name] = f"probe/{top.name}/" if top.is_dir() else f"probe/{top.name}.py"
+    graph = {one: set() for one in part.values()}
+    for name, imported in import_graph(root).items():
+        if name in part:
+            graph[part[name]] |= {
+                part[other] for other in imported if other in part and (name, other) not in UPWARD
+            }
+    graph = {one: others - {one} for one, others in graph.items()}
+    return [", ".join(sorted(circle)) for circle in strongly_connected(graph)]
 
 
 def report_imports(root: Path) -> list[str]:
@@ -227,6 +258,7 @@ CHECKS = {
     "registry": private_registry_access,
     "sys.path": path_edits,
     "circles": import_circles,
+    "layers": layer_circles,
     "reports": report_imports,
     "wheel": wheel_imports,
 }
@@ -243,6 +275,7 @@ VIOLATIONS = {
     "registry": ("tests/test_bad.py", "from probe.detectors import registry\nregistry._REGISTRY.clear()\n"),
     "sys.path": ("bench/bad.py", "import sys\nsys.path.insert(0, '.')\n"),
     "circles": ("probe/bad.py", "def f():\n    from probe import good\n"),
+    "layers": ("probe/bad.py", "def f():\n    from probe import good\n"),
     "reports": ("analyses/bad.py", "from .hotpotqa_report import folder_rows\n"),
     "wheel": ("analyses/bad.py", "from bench.harness import load\n"),
 }

@@ -8,7 +8,7 @@ from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
 
 import probe
-from probe.attention.lrp import lrp_rules, relevance
+from probe.probes.lrp import lrp_rules, relevance
 
 SEQ = 20
 TARGETS = torch.tensor([18, 19])

@@ -9,14 +9,8 @@ import torch.nn.functional as F
 
 import probe
 from probe.probes.attribution import critical_tokens
-from probe.training.objectives import (
-    cdt_loss,
-    denoised_embeddings,
-    logo_loss,
-    longce_target_loss,
-    noise_tokens,
-    sequence_logprob,
-)
+from probe.probes.noise_restraint import denoised_embeddings, noise_tokens
+from probe.training.objectives import cdt_loss, logo_loss, longce_target_loss, sequence_logprob
 
 
 def random_ids(model, seq: int, seed: int = 0) -> torch.Tensor:

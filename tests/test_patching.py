@@ -13,7 +13,7 @@ import probe
 from probe.attention import OUTPUTS, Modifier, modify
 from probe.attention.modifiers import KeyBias
 from probe.memory.planner import plan
-from probe.memory.shapes import Shapes
+from probe.shapes import Shapes
 
 ATOL = 1e-5
 SEQ = 24  # longer than the tiny Gemma's sliding window (6)

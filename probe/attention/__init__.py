@@ -59,7 +59,7 @@ from probe.attention.shared_state import shared_change
 from probe.checks import UnsupportedModelError, _bidirectional, hf_model
 
 if TYPE_CHECKING:
-    from probe.memory.shapes import Shapes
+    from probe.shapes import Shapes
 
 IMPLEMENTATION = "longprobe"
 INPUTS, SCORES, MASK, POSITIONS, OUTPUTS = "inputs", "scores", "mask", "positions", "outputs"
@@ -170,12 +170,33 @@ def _changing(active: tuple[Modifier, ...], what: str) -> list[Modifier]:
 
 @contextmanager
 def with_modifiers(modifiers: tuple[Modifier, ...]) -> Iterator[None]:
-    """Make exactly ``modifiers`` active for the block (a checkpointed layer's recomputation)."""
+    """Make exactly ``modifiers`` active for the block."""
     token = _ACTIVE.set(modifiers)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("longprobe_recomputing", default=False)
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed layer is being recomputed for the backward pass here: a modifier that
+    records keeps what the forward pass recorded (:func:`recomputation`)."""
+    return _RECOMPUTING.get()
+
+
+@contextmanager
+def recomputation(modifiers: tuple[Modifier, ...]) -> Iterator[None]:
+    """The context of a checkpointed layer's recomputation (:mod:`probe.memory.checkpointing`): the
+    modifiers of its forward pass, flagged (:func:`recomputing`)."""
+    flag = _RECOMPUTING.set(True)
+    try:
+        with with_modifiers(modifiers):
+            yield
+    finally:
+        _RECOMPUTING.reset(flag)
 
 
 @contextmanager

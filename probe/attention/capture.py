@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from probe.attention import OUTPUTS, LayerCall, Modifier, active_modifiers, modify, not_reached
+from probe.attention import OUTPUTS, LayerCall, Modifier, active_modifiers, modify, not_reached, recomputing
 from probe.attention.patterns import apply_pattern, pattern_blocks
 from probe.checks import check_int, check_integers, check_layers, hf_model, n_layers
 from probe.errors import InvalidValueError, MissingKeyError, OutOfRangeError
-from probe.memory.checkpointing import recomputing
 
 HOOK_NAMES = {
     "pattern": "blocks.{layer}.attn.hook_pattern",

@@ -34,7 +34,7 @@ from probe.checks import check_int, check_integers, check_layers, hf_model, mode
 from probe.errors import InvalidTypeError, InvalidValueError, OutOfRangeError
 
 if TYPE_CHECKING:
-    from probe.memory.shapes import Shapes
+    from probe.shapes import Shapes
 
 
 @dataclass(eq=False)
@@ -342,6 +342,6 @@ def bias_keys(model, bias: torch.Tensor, units: torch.Tensor | None = None) -> I
 def lrp_attention(model) -> Iterator[None]:
     """Inside the block the attention's backward follows AttnLRP's uniform rule (Achtibat et al. 2024,
     eq. 7): the gradients of queries and keys are divided by 4, those of values by 2; the forward is
-    unchanged. Part of :func:`probe.attention.lrp.lrp_rules`."""
+    unchanged. Part of :func:`probe.probes.lrp.lrp_rules`."""
     with modify(model, Relevance()):
         yield

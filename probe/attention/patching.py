@@ -18,15 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from probe.attention import OUTPUTS, LayerCall, Modifier, modify
+from probe.attention import OUTPUTS, LayerCall, Modifier, modify, recomputing
 from probe.attention.capture import HOOK_NAMES, ActivationCache
 from probe.attention.modifiers import HeadModifier, check_heads
 from probe.checks import check_layers, hf_model, n_layers
 from probe.errors import InvalidTypeError, InvalidValueError, MissingKeyError
-from probe.memory.checkpointing import recomputing
 
 if TYPE_CHECKING:
-    from probe.memory.shapes import Shapes
+    from probe.shapes import Shapes
 
 
 @dataclass(eq=False)

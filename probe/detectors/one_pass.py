@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from probe.attention.lrp import relevance
 from probe.attention.shared_state import frozen_parameters
 from probe.checks import check_int, check_layers, hf_model, input_device
 from probe.detectors.registry import Detection, SharedPass, register, top_k_mask
@@ -24,6 +23,7 @@ from probe.memory.planner import guarded
 from probe.probes.at2 import HeadWeights, token_features
 from probe.probes.attribution import AnswerAttribution, critical_tokens
 from probe.probes.key_removal import key_removal_gradient
+from probe.probes.lrp import relevance
 from probe.target import Target, target_loss_of
 from probe.tasks import Sample
 
@@ -227,7 +227,7 @@ def at2(
 
 @register("attn_lrp")
 def attn_lrp(model, tokenizer, sample: Sample, top_k: int = 30, checkpoint: bool | str = "auto") -> Detection:
-    """AttnLRP relevance (Achtibat et al., ICML 2024; :func:`probe.attention.lrp.relevance`): gradient ×
+    """AttnLRP relevance (Achtibat et al., ICML 2024; :func:`probe.probes.lrp.relevance`): gradient ×
     input at
     the embeddings with the LRP rules for attention, products, norms and gated MLPs, explaining the
     gold answer tokens' logits. One forward and backward; a source scores the sum of its tokens'

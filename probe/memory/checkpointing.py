@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -10,27 +9,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from probe.attention import Modifier, active_modifiers, with_modifiers
+from probe.attention import active_modifiers, recomputation
 from probe.checks import CACHE_KEYWORDS, UnsupportedModelError, hf_model
 from probe.errors import InvalidTypeError, InvalidValueError
-
-_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("longprobe_recomputing", default=False)
-
-
-def recomputing() -> bool:
-    """Whether a checkpointed layer is being recomputed for the backward pass here."""
-    return _RECOMPUTING.get()
-
-
-@contextmanager
-def _recomputation(modifiers: tuple[Modifier, ...]) -> Iterator[None]:
-    """The context of a checkpointed layer's recomputation: the modifiers of its forward, flagged."""
-    flag = _RECOMPUTING.set(True)
-    try:
-        with with_modifiers(modifiers):
-            yield
-    finally:
-        _RECOMPUTING.reset(flag)
 
 
 @contextmanager
@@ -82,7 +63,7 @@ def _checkpointing(forward: Callable) -> Callable:
             forward,
             *args,
             use_reentrant=False,
-            context_fn=lambda: (nullcontext(), _recomputation(modifiers)),
+            context_fn=lambda: (nullcontext(), recomputation(modifiers)),
             **kwargs,
         )
 

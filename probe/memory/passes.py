@@ -25,7 +25,7 @@ Under longprobe's attention function (a trace or a modifier is active) a sliding
 ``n > 2·window`` runs in bands of one window of queries (:func:`probe.attention.kernels.runs_in_bands`): no
 float mask of ``n²``, but each band's mask and sdpa output, ``a(2·window + Hh)`` bytes per token.
 That is the attention of sdpa. Two other paths keep every row's probabilities instead
-(:meth:`~probe.memory.shapes.Shapes.attention_saved`, checked with the same hooks on Gemma 2 and gpt-oss):
+(:meth:`~probe.shapes.Shapes.attention_saved`, checked with the same hooks on Gemma 2 and gpt-oss):
 longprobe's exact softmax, which serves soft-capped (Gemma 2) and sink (gpt-oss) logits under a trace
 or modifier, ``4(Hh + 2Kh) + 4H·n`` (twice the probabilities' ``4H·n`` when soft-capped, since the
 tanh output is kept too), and the model's own eager attention in a plain pass (transformers' only path
@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 from probe.attention.kernels import EXACT_BLOCK, runs_in_bands
 from probe.memory import CHECKPOINT_HEAP_HOLES, MMAP_THRESHOLD_MAX, PLAIN_HEAP_SLACK, _heap_slack
-from probe.memory.shapes import Shapes
+from probe.shapes import Shapes
 
 TERMS = (
     "activations",

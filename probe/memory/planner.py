@@ -31,7 +31,7 @@ from probe.errors import InsufficientMemoryError, InvalidValueError, OutOfRangeE
 from probe.memory import available_memory, compact_heap
 from probe.memory.checkpointing import checkpointed
 from probe.memory.passes import PROBE_PASSES, ProbePass
-from probe.memory.shapes import Shapes
+from probe.shapes import Shapes
 
 __all__ = [
     "PROBE_PASSES",

@@ -2,6 +2,7 @@
 
 - :mod:`~probe.probes.attribution`: attention rows and matrices, information flow, embedding gradients;
 - :mod:`~probe.probes.key_removal`: the key-removal gradient;
+- :mod:`~probe.probes.lrp`: AttnLRP relevance;
 - :mod:`~probe.probes.lsd` (with :mod:`~probe.probes.logprobs` and :mod:`~probe.probes.alignment`):
   long-short difference, key tokens and LongPPL;
 - :mod:`~probe.probes.retrieval`: retrieval heads;

@@ -19,10 +19,40 @@ from probe.attention.capture import trace
 from probe.attention.shared_state import frozen_parameters
 from probe.checks import check_layers, check_number, check_token_flags, hf_model, input_device
 from probe.errors import InvalidValueError
-from probe.probes.attribution import embedding_grads
+from probe.probes.attribution import critical_tokens, embedding_grads
 from probe.target import target_loss
 from probe.tasks import CATEGORIES, Sample, check_sample
-from probe.training.objectives import denoised_embeddings, noise_tokens
+
+
+def noise_tokens(grad_norms: torch.Tensor, context: int | None = None) -> torch.Tensor:
+    """The tokens CDT moves: bool Tensor[seq], the first ``context`` tokens that are not critical.
+
+    ~I(x_i) of eq. 1 (:func:`~probe.probes.attribution.critical_tokens`) restricted to the context: tokens
+    at or after ``context`` (e.g. the answer) are never moved.
+    """
+    noise = ~critical_tokens(grad_norms, context)
+    if context is not None:
+        noise[context:] = False
+    return noise
+
+
+def denoised_embeddings(
+    embeds: torch.Tensor, grads: torch.Tensor, move: torch.Tensor, lr: float, beta: float = 5.0
+) -> torch.Tensor:
+    """E' = E − lr·β·∇E on the tokens in ``move``, the others untouched (CDT eq. 2): Tensor[seq, hidden].
+
+    ``embeds`` and ``grads`` are Tensor[seq, hidden], ``move`` a bool Tensor[seq]. The paper's text
+    moves the irrelevant tokens (``move = ~critical``) and leaves critical ones unchanged; its
+    eq. 2 as printed multiplies by I(x_i) = 1 for *critical* tokens — pass the mask you mean.
+    The paper sets β = 5.
+    """
+    if embeds.shape != grads.shape or move.shape != embeds.shape[:1]:
+        raise InvalidValueError(
+            f"embeds {tuple(embeds.shape)}, grads {tuple(grads.shape)} and move {tuple(move.shape)} "
+            "must be [seq, hidden], [seq, hidden] and [seq]"
+        )
+    return embeds - (lr * beta) * grads * move[:, None].to(grads)
+
 
 #: Ground-truth categories moved by each named ``move`` (``"detected"``: see :func:`moved_tokens`).
 #: ``"noise"`` moves CDT's irrelevant tokens (§3.1: book text and low-frequency words); the critical

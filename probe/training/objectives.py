@@ -26,17 +26,16 @@ from probe.memory.planner import guarded
 from probe.probes.attribution import critical_tokens, embedding_grads
 from probe.probes.logprobs import final_hidden_states, short_logprobs, target_logprobs
 from probe.probes.lsd import soft_influence
+from probe.probes.noise_restraint import denoised_embeddings, noise_tokens
 from probe.target import target_loss
 
 __all__ = [
     "CDTLoss",
     "cdt_loss",
-    "denoised_embeddings",
     "logo_loss",
     "longce_loss",
     "longce_target_loss",
     "longce_weights",
-    "noise_tokens",
     "sequence_logprob",
 ]
 
@@ -100,36 +99,6 @@ def longce_target_loss(
 # --------------------------------------------------------------------------- CDT (Context Denoising Training)
 
 
-def noise_tokens(grad_norms: torch.Tensor, context: int | None = None) -> torch.Tensor:
-    """The tokens CDT moves: bool Tensor[seq], the first ``context`` tokens that are not critical.
-
-    ~I(x_i) of eq. 1 (:func:`~probe.probes.attribution.critical_tokens`) restricted to the context: tokens
-    at or after ``context`` (e.g. the answer) are never moved.
-    """
-    noise = ~critical_tokens(grad_norms, context)
-    if context is not None:
-        noise[context:] = False
-    return noise
-
-
-def denoised_embeddings(
-    embeds: torch.Tensor, grads: torch.Tensor, move: torch.Tensor, lr: float, beta: float = 5.0
-) -> torch.Tensor:
-    """E' = E − lr·β·∇E on the tokens in ``move``, the others untouched (CDT eq. 2): Tensor[seq, hidden].
-
-    ``embeds`` and ``grads`` are Tensor[seq, hidden], ``move`` a bool Tensor[seq]. The paper's text
-    moves the irrelevant tokens (``move = ~critical``) and leaves critical ones unchanged; its
-    eq. 2 as printed multiplies by I(x_i) = 1 for *critical* tokens — pass the mask you mean.
-    The paper sets β = 5.
-    """
-    if embeds.shape != grads.shape or move.shape != embeds.shape[:1]:
-        raise InvalidValueError(
-            f"embeds {tuple(embeds.shape)}, grads {tuple(grads.shape)} and move {tuple(move.shape)} "
-            "must be [seq, hidden], [seq, hidden] and [seq]"
-        )
-    return embeds - (lr * beta) * grads * move[:, None].to(grads)
-
-
 class CDTLoss(NamedTuple):
     """What :func:`cdt_loss` returns."""
 
@@ -153,9 +122,10 @@ def cdt_loss(
        from row t − 1), parameters frozen (:func:`probe.embedding_grads`): Tensor[seq, hidden].
     2. I(x_i) = :func:`~probe.probes.attribution.critical_tokens` of ‖∇E(x_i)‖₂ over the first ``context``
        tokens (eq. 1).
-    3. E' = :func:`denoised_embeddings` moving the noise tokens, ``move = ~I`` (the text's reading
-       of eq. 2; :func:`noise_tokens`), with the learning rate ``lr`` and β (paper: 5). Tokens at
-       or after ``context`` (the response, when ``context`` is the prompt length) are not moved.
+    3. E' = :func:`~probe.probes.noise_restraint.denoised_embeddings` moving the noise tokens,
+       ``move = ~I`` (the text's reading of eq. 2; :func:`~probe.probes.noise_restraint.noise_tokens`),
+       with the learning rate ``lr`` and β (paper: 5). Tokens at or after ``context`` (the response, when
+       ``context`` is the prompt length) are not moved.
     4. L_CDT = cross-entropy of the targets with E' as the model input (eq. 3).
 
     The shift lr·β·∇E is a constant (no second-order gradient); E itself keeps its graph, so the
