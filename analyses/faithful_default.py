@@ -69,6 +69,7 @@ BUDGETS = (1, 2, 3, 4)
 BEFORE_TOP = " + the source before its top"
 #: adaptive stopping: measure each ranker's top 1; only if no measured drop reaches this many nats, its top 2
 STOP_AT = (0.5, 1.0, 2.0, 4.0)
+UNTIL_TOP = " until its top is measured"
 #: the candidates whose top-k removals are measured (``--aopc``): name -> (measure, before_top)
 AOPC_SCORERS = {"leave_few_out measure 2": (2, False), f"leave_few_out measure 2{BEFORE_TOP}": (2, True)}
 MASKS = 32
@@ -188,15 +189,17 @@ def candidates(about: dict, measured: dict) -> list[dict]:
             name = f"{'+'.join(rankers)} top {budget} rest {other}"
             rows.append(row(name, "+".join(rankers), budget, rest, found, cost))
         if rankers == WEIGHTED:  # leave_few_out(measure=budget): the rest as the gradient gives it
-            variants = [(False, None), (True, None)] + [(False, stop) for stop in STOP_AT if budget == 2]
-            for before_top, stop_at in variants:
-                scores, measured_here = few_out_scores(measured, budget, before_top, stop_at)
+            variants = [(False, None, False), (True, None, False), (False, None, True)]
+            variants += [(False, stop, until) for stop in STOP_AT if budget == 2 for until in (False, True)]
+            for before_top, stop_at, until_top in variants:
+                scores, measured_here = few_out_scores(measured, budget, before_top, stop_at, until_top)
                 found = top in measured_here.tolist() and int(torch.argmax(scores)) == top
                 removals = len(measured_here) - len(chosen) + 1  # the sources added, the head check
                 cost_here = cost + removals * measured["removal"]
                 name = f"leave_few_out measure {budget}{BEFORE_TOP if before_top else ''}"
                 if stop_at is not None:
                     name = f"leave_few_out measure 1, {budget} below {stop_at:g} nats"
+                name += UNTIL_TOP if until_top else ""
                 rows.append(row(name, "+".join(rankers), budget, scores, found, cost_here))
     if DIRECT in measured["rankings"]:  # its top measured exactly, the rest as the direct effects give them
         for budget in BUDGETS:
@@ -213,14 +216,17 @@ def few_out_scores(
     budget: int,
     before_top: bool = False,
     stop_at: float | None = None,
+    until_top: bool = False,
     rankers: tuple[str, ...] = WEIGHTED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``leave_few_out``'s source scores with ``measure`` = ``budget``, Tensor[sources]; the sources it
     measures, LongTensor) from a sample's saved measurements. ``before_top``: the source just before the
     measured source of the largest drop is measured too (the sentence the answer's source is read after).
     ``stop_at`` (adaptive stopping): each ranker's top 1 is measured first, its top ``budget`` only if no
-    drop among them reaches ``stop_at`` nats (no one source carries the answer). ``rankers``: the saved
-    rankings whose tops are measured, the first scoring the rest (:data:`DIRECT` alone: its own candidate)."""
+    drop among them reaches ``stop_at`` nats (no one source carries the answer). ``until_top``: then, while
+    the highest-scoring source is an estimated one, it is measured too (the ranking's first source is
+    always an exact drop). ``rankers``: the saved rankings whose tops are measured, the first scoring the
+    rest (:data:`DIRECT` alone: its own candidate)."""
     drops = measured["drops"]
     rankings = torch.stack([measured["rankings"][name] for name in rankers])
     chosen = pruned_sources(rankings, budget)
@@ -233,6 +239,9 @@ def few_out_scores(
         chosen = torch.tensor(list(dict.fromkeys([*chosen.tolist(), *([best - 1] if best > 0 else [])])))
     scores = measured["rankings"][rankers[0]].clone()
     scores[chosen] = drops[chosen]
+    while until_top and (first := int(torch.argmax(scores))) not in chosen.tolist():
+        chosen = torch.cat([chosen, torch.tensor([first])])
+        scores[first] = drops[first]
     return scores, chosen
 
 

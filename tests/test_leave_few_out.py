@@ -151,6 +151,25 @@ def test_adaptive_stopping_measures_the_top_twos_only_where_no_top_one_carries_t
     assert sorted(always.tolist()) == [0, 1, 2, 3]
 
 
+def test_measuring_until_the_top_is_measured_measures_each_estimated_first_source_in_turn():
+    """``few_out_scores(until_top=True)``: while the highest score is an estimate, that source is measured;
+    here the rankers' tops all drop less than the gradient's third and fourth estimate, as on a flat
+    gradient: the third is measured (no drop), then the fourth (the largest drop), and it stops."""
+    from analyses import faithful_default
+
+    gradient, flow = faithful_default.WEIGHTED
+    rankings = {gradient: torch.tensor([8.0, 7, 6, 5, 1, 0]), flow: torch.tensor([0.0, 0, 0, 0, 2, 9])}
+    measured = {"drops": torch.tensor([-1.0, -2, 0, 4, 0.5, -3]), "rankings": rankings}
+    scores, chosen = faithful_default.few_out_scores(measured, 2, until_top=True)
+    assert chosen.tolist() == [0, 1, 5, 4, 2, 3]
+    assert torch.equal(scores, measured["drops"])
+    _, plain = faithful_default.few_out_scores(measured, 2)
+    assert plain.tolist() == [0, 1, 5, 4]
+    rankings[gradient][3] = 0.1  # the fourth's estimate then falls below a measured drop (source 4's 0.5)
+    scores, chosen = faithful_default.few_out_scores(measured, 2, until_top=True)
+    assert chosen.tolist() == [0, 1, 5, 4, 2] and int(torch.argmax(scores)) == 4
+
+
 def test_development_aopcs_equal_one_removal_at_a_time(model, tokenizer, sample):
     """``--aopc``'s rows (``aopc_rows``: every scorer's top-k masks deduplicated into one call) equal a
     loop that removes, then keeps, each scorer's top k alone, one ``answer_scores`` call a mask; the
