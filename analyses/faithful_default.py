@@ -69,6 +69,7 @@ BUDGETS = (1, 2, 3, 4)
 BEFORE_TOP = " + the source before its top"
 #: adaptive stopping: measure each ranker's top 1; only if no measured drop reaches this many nats, its top 2
 STOP_AT = (0.5, 1.0, 2.0, 4.0)
+#: measuring on while the ranking's first source is an estimate (:func:`few_out_scores` ``until_top``)
 UNTIL_TOP = " until its top is measured"
 #: the candidates whose top-k removals are measured (``--aopc``): name -> (measure, before_top)
 AOPC_SCORERS = {"leave_few_out measure 2": (2, False), f"leave_few_out measure 2{BEFORE_TOP}": (2, True)}
